@@ -28,7 +28,12 @@ class CodebookError(RuntimeError):
 def profiles_dir() -> Path:
     """The shipped profiles/ folder; QPALETTE_PROFILES points elsewhere (tests, experiments)."""
     override = os.environ.get("QPALETTE_PROFILES")
-    return Path(override) if override else Path(str(resources.files("qpalette._profiles")))
+    if override:
+        return Path(override)
+    source_tree = Path(__file__).resolve().parents[1] / "profiles"  # running from a checkout
+    if (source_tree / CODEBOOK_FILE).is_file():
+        return source_tree
+    return Path(str(resources.files("qpalette._profiles")))
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,21 +55,24 @@ def codebook(name: str) -> torch.Tensor:
     return books[name]
 
 
-def lloyd_max_1d(samples: torch.Tensor, levels: int, iters: int = 300) -> torch.Tensor:
-    """1-D k-means (Lloyd–Max) on samples, initialised at quantiles; returns sorted levels."""
-    x, _ = torch.sort(samples.double())
+def lloyd_max_1d(samples: torch.Tensor, levels: int, iters: int = 100_000) -> torch.Tensor:
+    """1-D k-means (Lloyd–Max) on samples from quantile initialisation, run to convergence.
+
+    Each iteration is O(levels · log n) on sorted samples with prefix sums, so running the slow
+    tail levels to a 1e-12 fixed point costs seconds even for 256 levels.
+    """
+    x, _ = torch.sort(samples.double().cpu())
     n = x.numel()
     prefix = torch.cat([torch.zeros(1, dtype=x.dtype), torch.cumsum(x, 0)])
     c = x[((torch.arange(levels, dtype=torch.float64) + 0.5) / levels * n).long()]
     for _ in range(iters):
         edges = torch.searchsorted(x, (c[1:] + c[:-1]) / 2)
         bounds = torch.cat([torch.zeros(1, dtype=torch.long), edges, torch.tensor([n])])
-        counts = (bounds[1:] - bounds[:-1]).clamp(min=1)
-        new = (prefix[bounds[1:]] - prefix[bounds[:-1]]) / counts
-        if torch.allclose(new, c, atol=1e-10, rtol=0):
-            c = new
-            break
+        new = (prefix[bounds[1:]] - prefix[bounds[:-1]]) / (bounds[1:] - bounds[:-1]).clamp(min=1)
+        converged = (new - c).abs().max() < 1e-12
         c = new
+        if converged:
+            break
     return c.float()
 
 
@@ -78,17 +86,23 @@ def nearest(points: torch.Tensor, centroids: torch.Tensor, chunk: int = 1 << 16)
     return out
 
 
-def kmeans(samples: torch.Tensor, k: int, iters: int, generator: torch.Generator) -> torch.Tensor:
-    """Lloyd's k-means from a random subset of the samples (deterministic for a generator)."""
-    init = torch.randperm(samples.shape[0], generator=generator)[:k]
-    c = samples[init.to(samples.device)].clone()
+def kmeans(samples: torch.Tensor, init: torch.Tensor, iters: int) -> torch.Tensor:
+    """Lloyd's k-means in any dimension from given initial centroids (deterministic).
+
+    An empty cluster keeps its centroid; with the product-grid initialisation of the 2-D
+    codebooks every cluster starts populated.
+    """
+    c = init.to(samples.device, samples.dtype).clone()
+    k = c.shape[0]
     for _ in range(iters):
         idx = nearest(samples, c)
         sums = torch.zeros_like(c).index_add_(0, idx, samples)
         counts = torch.bincount(idx, minlength=k).unsqueeze(-1)
-        empty = counts.squeeze(-1) == 0
         c = torch.where(counts > 0, sums / counts.clamp(min=1), c)
-        if empty.any():  # re-seed empty clusters on random samples
-            pick = torch.randint(samples.shape[0], (int(empty.sum()),), generator=generator)
-            c[empty] = samples[pick.to(samples.device)]
     return c
+
+
+def product_grid(levels_x: torch.Tensor, levels_y: torch.Tensor) -> torch.Tensor:
+    """All (x, y) pairs of two 1-D codebooks: the initialisation of 2-D k-means."""
+    gx, gy = torch.meshgrid(levels_x, levels_y, indexing="ij")
+    return torch.stack((gx.reshape(-1), gy.reshape(-1)), dim=-1)

@@ -38,7 +38,7 @@ def _hash_parts(q: int) -> tuple[torch.Tensor, torch.Tensor]:
 def state_values(table: torch.Tensor) -> torch.Tensor:
     """(65536, 2) reconstruction of every state from the hybrid table T (2^Q, 2)."""
     q = table.shape[0].bit_length() - 1
-    idx, sign = _hash_parts(q)
+    idx, sign = (p.to(table.device) for p in _hash_parts(q))
     t = table.double()[idx]
     return torch.stack((sign * t[:, 0], t[:, 1]), dim=-1).to(table.dtype)
 
