@@ -1,0 +1,36 @@
+"""A tiny random Llama (+ byte-level tokenizer) saved as a Hugging Face folder, for fast tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def make_tiny_llama(path, seed: int = 0, **overrides) -> Path:
+    """2 blocks, hidden 64, MLP 128, 4 heads (2 kv), vocab 257 (256 bytes + <s>). Returns path."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    path = Path(path)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    vocab["<s>"] = len(vocab)
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="<s>")
+    cfg = dict(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+               bos_token_id=len(vocab) - 1, eos_token_id=len(vocab) - 1, tie_word_embeddings=False,
+               initializer_range=0.1)
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**cfg))
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+SMOLLM2_SHAPES = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                      initializer_range=0.02, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
