@@ -83,9 +83,10 @@ def _from_config(model: str, cfgfile: Path, sens) -> ModelInfo:
 
 
 def resolve_model(model: str | None, sens) -> ModelInfo:
-    """Layer shapes from (in order): a local model directory or config.json; the sensitivity
-    file's shapes when MODEL is omitted or names the model it was measured on; qpalette's
-    embedded default models (models.py). Never downloads from the hub."""
+    """Layer shapes from (in order): a local model directory or config.json (or a .gguf/.whl
+    that models.py converts); qpalette's embedded default models (models.py; fetched once if not
+    cached); the sensitivity file's shapes when MODEL is omitted or names the model it was
+    measured on. Never downloads from the Hugging Face hub."""
     if model is not None:
         p = Path(model).expanduser()
         if p.is_dir() and (p / "config.json").is_file():
@@ -94,26 +95,34 @@ def resolve_model(model: str | None, sens) -> ModelInfo:
             return _from_config(model, p, sens)
         if p.exists():
             return _from_models(model, sens)
-    if sens is not None and (model is None or model == sens.model):
+    notes = []
+    if model is not None:
+        from . import models
+
+        if models.ALIASES.get(model.lower(), model.lower()) in models.DEFAULT_MODELS:
+            try:
+                return _from_models(model, sens)
+            except ArchitectureError as e:
+                if sens is None or not sens.shapes:
+                    raise
+                notes.append(f"{e}; using the sensitivity file's layer shapes")
+    if sens is not None and (model is None or model == sens.model or notes):
         lacking = [n for n in sens.coefficients if n not in sens.shapes]
         if not lacking:
             layers = layers_from_shapes(sens.shapes)
             return ModelInfo(layers, None, {
                 "name": sens.model, "source": f"layer shapes of {sens.path}",
                 "blocks": len({l.block for l in layers}), "unquantized_params": None,
+                "notes": notes,
             })
     if model is None:
         raise ArchitectureError(
             "no MODEL given and the sensitivity file does not list every layer's shape; "
             "pass the model directory or its config.json"
         )
-    from . import models
-
-    if models.ALIASES.get(model.lower(), model.lower()) in models.DEFAULT_MODELS:
-        return _from_models(model, sens)
     raise ArchitectureError(
-        f"model {model!r}: no such directory or config.json (plan never downloads; pass a local "
-        "Hugging Face model directory or its config.json"
+        f"model {model!r}: no such directory or config.json (plan never downloads from the hub; "
+        "pass a local Hugging Face model directory or its config.json"
         + (f"; the sensitivity file is for {sens.model!r}" if sens and sens.model else "") + ")"
     )
 
@@ -174,7 +183,7 @@ def plan(
     a = match_sensitivity(mi.layers, sens)
     dist = load_distortion(distortion)
     entries, explicit = parse_palette(palette)
-    notes = list(sens.warnings)
+    notes = list(sens.warnings) + mi.info.pop("notes", [])
 
     speed = any(b.kind == "latency" for b in budgets)
     prof = load_latency(latency_profile) if latency_profile else None

@@ -19,8 +19,10 @@ groups whose layers got the same quantizer.
 
 Options dominated in every active resource (codebook bytes included) and in distortion are
 dropped before solving; this never changes the optimum. Resource sums of the returned plan are
-re-checked in exact integer arithmetic; if solver tolerances let a budget be exceeded by a few
-units, the budget is tightened by the excess and the program re-solved.
+re-checked in exact arithmetic (integers for bits and bytes); if solver tolerances let a budget
+be exceeded by a few units, the budget is tightened by the excess and the program re-solved. The
+latency budget (continuous data) is tightened up front by SCIP's relative feasibility tolerance
+(1e-9), so a plan within 1e-9 of it counts as over budget.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from .plan_inputs import FUSED_GROUPS, GROUPS, SINGLE_GROUPS, InputError, Latenc
 from .tiles import UnsupportedShape
 
 RESOURCES = ("bits", "bytes", "latency")
+FEASTOL = 1e-9  # SCIP's (relative) feasibility tolerance
 
 
 class PlanError(ValueError):
@@ -311,7 +314,7 @@ def _scip_model(problem: Problem, caps: dict, objective: str = "loss", time_limi
     if solver is None:
         raise PlanError("OR-Tools was built without SCIP")
     solver.SetTimeLimit(int(max(time_limit_s, 0.001) * 1000))
-    solver.SetSolverSpecificParametersAsString("limits/gap = 0\nnumerics/feastol = 1e-9\n")
+    solver.SetSolverSpecificParametersAsString(f"limits/gap = 0\nnumerics/feastol = {FEASTOL}\n")
     x = [solver.BoolVar(f"x{i}") for i in range(len(problem.options))]
     per_layer: list[list[int]] = [[] for _ in problem.layers]
     for i, o in enumerate(problem.options):
@@ -341,7 +344,10 @@ def _scip_model(problem: Problem, caps: dict, objective: str = "loss", time_limi
         ),
     }
     for r, cap in caps.items():
-        solver.Add(exprs[r]() <= cap / scale[r])
+        rhs = cap / scale[r]
+        if r == "latency":  # continuous data: keep SCIP's relative tolerance inside the budget
+            rhs -= 1.01 * FEASTOL * max(1.0, abs(rhs))
+        solver.Add(exprs[r]() <= rhs)
     if objective == "loss":
         solver.Minimize(solver.Sum([o.loss * x[i] for i, o in enumerate(problem.options)]))
     else:

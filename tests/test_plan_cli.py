@@ -150,3 +150,32 @@ def test_model_directory_with_config(tmp_path):
     shutil.copy(Path(MODEL) / "config.json", tmp_path / "config.json")
     p = plan(str(tmp_path), ["3.0bits", "4.6GB"], sensitivity=SENS)
     assert p["totals"]["avg_bits"] <= 3.0 and p["totals"]["bytes"]["total"] <= 4.6e9
+
+
+SMOLLM2_135M = {
+    "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
+    "num_key_value_heads": 3, "num_hidden_layers": 30, "vocab_size": 49152,
+    "tie_word_embeddings": True, "_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct",
+}
+
+
+def test_smollm2_135m_config_plan(tmp_path):
+    import random
+
+    cfg = load_config_from(tmp_path, SMOLLM2_135M)
+    layers = linear_layers(cfg)
+    assert sum(l.numel for l in layers) + sum(unquantized_params(cfg).values()) == 134_515_008
+    rng = random.Random(0)
+    sens = {"format": "qpalette.sensitivity/1", "model": "smollm2-135m", "protocol": "data-free",
+            "tokens": 1024, "layers": {l.name: {"a": rng.lognormvariate(-4, 1.5), "r2": 0.99,
+                                                "shape": [l.out_features, l.in_features]} for l in layers}}
+    (tmp_path / "s.json").write_text(json.dumps(sens))
+    p = plan(str(tmp_path), ["3.25bits", "100MB"], sensitivity=str(tmp_path / "s.json"))
+    assert p["solver"]["status"] == "optimal"
+    assert p["totals"]["avg_bits"] <= 3.25 and p["totals"]["bytes"]["total"] <= 100e6
+    assert p["totals"]["bytes"]["unquantized_modules"] == 2 * (49152 * 576 + 61 * 576)
+
+
+def load_config_from(d, cfg):
+    (d / "config.json").write_text(json.dumps(cfg))
+    return load_config(d)
