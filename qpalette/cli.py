@@ -92,7 +92,9 @@ def plan(
         "comma-list to combine (all must hold)."
     ),
     sensitivity: Optional[Path] = typer.Option(None, "--sensitivity", "-s", help="calibrate's JSON."),
-    latency_profile: Optional[Path] = typer.Option(None, "--latency-profile", "-l"),
+    latency_profile: Optional[Path] = typer.Option(
+        None, "--latency-profile", "-l", help="qpalette.latency/1 JSON; needed for tok/s or ms budgets."
+    ),
     distortion: Optional[Path] = typer.Option(
         None, help="Distortion table (default: the shipped measured one)."
     ),
@@ -108,7 +110,17 @@ def plan(
     show: Optional[Path] = typer.Option(None, "--show", help="Print a saved plan and exit."),
     blocks_only: bool = typer.Option(False, "--blocks", help="With --show: per-block table only."),
 ) -> None:
-    """Choose a quantizer per linear layer under a memory and/or speed budget (SCIP)."""
+    """Choose a quantizer per linear layer under a memory and/or speed budget (SCIP).
+
+    Examples (the paper's tables, imported in profiles/reference):
+
+      qpalette plan profiles/reference/llama31_8b -s profiles/reference/llama31_8b_sensitivity.json -b 3.25bits
+
+      qpalette plan profiles/reference/llama31_8b -s profiles/reference/llama31_8b_sensitivity.json
+      -l profiles/reference/rtx4090_latency_llama31_8b.json -b 200tok/s -b 5GB
+
+      qpalette plan --show plan.json
+    """
     from .plan_command import USER_ERRORS, plan as make
     from .plan_report import block_table, layer_table, load_plan, plot_plan, summary, write_plan
 

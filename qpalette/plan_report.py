@@ -211,6 +211,11 @@ def summary(plan: dict) -> str:
         f"ideal-quantizer bound at {g['avg_bits']:.4f} bits: {g['ideal_loss']:.6g}; plan − bound = "
         f"distortion gap {g['distortion_gap']:.6g} + bit-allocation gap {g['bit_allocation_gap']:.6g}"
     )
+    if s["status"] != "optimal":
+        lines.append(
+            f"warning: SCIP stopped at the time limit; the plan is feasible but not proven optimal "
+            f"(relative gap {s['gap']:.2e}); raise --time-limit to close it"
+        )
     for n in plan.get("notes", []):
         lines.append(f"note: {n}")
     return "\n".join(lines)
