@@ -558,6 +558,8 @@ def calibrate(opts: CalibrateOptions, log: Callable[[str], None] = print) -> dic
     sampling_s = time.perf_counter() - t_data
 
     todo = [n for n in names if n not in done]
+    if main_dev.type == "cuda":
+        torch.cuda.empty_cache()  # sampling's KV caches would hide free memory from _auto_batch
     batch = opts.batch_size or _auto_batch(opts.seq_len, model.lm_head.out_features, devices[0])
     settings.batch_size = batch
     timing = {
