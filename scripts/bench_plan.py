@@ -4,7 +4,7 @@
     python3 scripts/bench_plan.py reference [--distortion ours|paper]
         Llama-3.1-8B with the imported paper tables (profiles/reference): memory plans at
         2.5 / 3.0 / 3.25 / 4.0 bits and speed plans at 190 / 200 tok/s with and without fusion.
-    python3 scripts/bench_plan.py scale [--blocks 80] [--seed 0]
+    python3 scripts/bench_plan.py scale [--blocks 80] [--seed 0] [--keep DIR]
         A Llama-3-70B-sized instance (80 blocks of 8192/28672 layers, full palette of 34
         entries, fusion on): synthetic sensitivities (the 8B coefficients stretched over 80
         blocks with log-normal noise) and a synthetic latency profile (the RTX 4090 8B table
@@ -134,7 +134,12 @@ def synthetic_70b(tmp: Path, seed: int, blocks: int) -> tuple[str, str, str]:
 def scale(args) -> list[dict]:
     out = []
     with tempfile.TemporaryDirectory() as d:
+        if args.keep:  # keep the synthetic inputs for `qpalette plan` runs
+            args.keep.mkdir(parents=True, exist_ok=False)
+            d = str(args.keep)
         model, sens, lat = synthetic_70b(Path(d), args.seed, args.blocks)
+        if args.keep:
+            print(f"synthetic inputs: {model} (config.json), {sens}, {lat}")
         common = dict(sensitivity=sens, latency_profile=lat, time_limit_s=args.time_limit)
         # fastest possible plan, to place the speed budgets
         fast = None
@@ -167,6 +172,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--time-limit", type=float, default=120.0)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--keep", type=Path, help="scale: write the synthetic inputs into this new folder")
     args = ap.parse_args()
     rows = reference(args) if args.mode == "reference" else scale(args)
     if args.json:
