@@ -247,3 +247,29 @@ def test_unquantized_and_sign_vector_bytes():
     unq = unquantized_params(cfg)
     assert unq == {"embed_tokens": 6400, "lm_head": 6400, "norms": 5 * 64}
     assert "lm_head" not in unquantized_params(cfg | {"tie_word_embeddings": True})
+
+
+@pytest.mark.parametrize("with_profile", [False, True])
+@pytest.mark.parametrize("fuse", [False, True])
+def test_memory_plan_groups_are_valid(with_profile, fuse):
+    qs = quantizers(["tcq-2", "tcq-3"])
+    layers = tiny_layers(blocks=4)
+    rng = random.Random(3)
+    a = [rng.lognormvariate(-3, 1) for _ in layers]
+    prof = fake_profile(qs, 1) if with_profile else None
+    problem = build_problem(layers, a, qs, ERR, latency=prof, unquantized_params=0, fuse=fuse)
+    budgets = parse_budgets(["2.5bits"])
+    sol = solve(problem, budgets)
+    plan = make_plan(problem, sol, budgets, fuse=fuse, model={}, inputs={}, options={})
+    covered = []
+    for blk in plan["blocks"]:
+        for g in blk["groups"]:
+            assert {plan["layers"][n]["quantizer"] for n in g["layers"]} == {g["quantizer"]}
+            assert fuse or len(g["layers"]) == 1
+            covered += g["layers"]
+        if fuse and not with_profile:  # largest same-quantizer groups
+            kinds = {plan["layers"][n]["kind"]: plan["layers"][n]["quantizer"] for g in blk["groups"] for n in g["layers"]}
+            if kinds["gate"] == kinds["up"]:
+                assert any(g["group"] == "gateup" for g in blk["groups"])
+    assert sorted(covered) == sorted(plan["layers"])
+    assert (plan["totals"]["latency_s"] is not None) == with_profile
