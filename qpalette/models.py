@@ -205,11 +205,18 @@ def gguf_state_dict(path: Path):
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise ModelError(f"{path.name}: GGUF architecture '{arch}' is not supported (only llama)")
+    required = ("llama.attention.head_count", "llama.embedding_length", "llama.feed_forward_length",
+                "llama.block_count")
+    missing = [k for k in required if k not in meta]
+    if missing:
+        raise ModelError(f"{path.name}: GGUF metadata lacks {', '.join(missing)}")
+    vocab = meta.get("llama.vocab_size") or meta.get("tokenizer.ggml.tokens") or next(
+        (int(t.shape[-1]) for t in reader.tensors if t.name == "token_embd.weight"), None)
     n_head = int(meta["llama.attention.head_count"])
     n_kv = int(meta.get("llama.attention.head_count_kv", n_head))
     hidden = int(meta["llama.embedding_length"])
     config = dict(
-        vocab_size=int(meta.get("llama.vocab_size", meta["tokenizer.ggml.tokens"])),
+        vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(meta["llama.feed_forward_length"]),
         num_hidden_layers=int(meta["llama.block_count"]),

