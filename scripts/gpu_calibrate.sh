@@ -27,7 +27,7 @@ if [ "$1" = stage ]; then
     python3 -c "import sys; sys.path.insert(0, 'tests'); from tiny_llama import *
 make_tiny_llama('/tmp/tiny'); make_tiny_llama('/tmp/smolrand', **SMOLLM2_SHAPES)"
     $QP /tmp/tiny -o "$OUT/tiny_cuda.json" --device cuda -n 8 --seq-len 64 -q
-    timeout $(lim 200) python3 -m pytest -q -m gpu tests/test_calibrate.py -x -p no:cacheprovider 2>&1 | tail -15
+    timeout 100 python3 -m pytest -q -m gpu tests/test_calibrate.py -x -p no:cacheprovider 2>&1 | tail -15
     $QP /tmp/smolrand -o "$OUT/probe.json" --device cuda -n 64 --seq-len 512 --levels 4 -q \
         --layers 'layers\.(0|29)\.mlp\.down_proj'
     python3 -c "import json; d=json.load(open('$OUT/probe.json')); print({n: v['seconds'] for n, v in d['layers'].items()}, d['timing'])"

@@ -233,14 +233,14 @@ def test_cli_runs_and_reports_errors(tiny_llama_dir, tmp_path):
 
 @pytest.mark.slow
 def test_real_smollm2_cpu_reduced(smollm2_dir, tmp_path):
-    """SmolLM2-135M on CPU, reduced: 3 blocks × 7 layers, 8 levels, 4×64 sampled tokens, 2 seeds."""
+    """SmolLM2-135M on CPU, reduced: 2 blocks × 7 layers, 5 levels, 4×48 sampled tokens, 2 seeds."""
     docs = []
     for seed in (0, 1):
-        docs.append(calibrate(_opts(smollm2_dir, tmp_path / f"s{seed}.json", num_seqs=4, seq_len=64,
-                                    levels=8, seed=seed, batch_size=4,
-                                    layers=r"layers\.(0|14|29)\."), log=lambda m: None))
+        docs.append(calibrate(_opts(smollm2_dir, tmp_path / f"s{seed}.json", num_seqs=4, seq_len=48,
+                                    levels=5, seed=seed, batch_size=4,
+                                    layers=r"layers\.(0|29)\."), log=lambda m: None))
     for d in docs:
-        assert len(d["layers"]) == 21
+        assert len(d["layers"]) == 14
         assert d["median_r2"] >= 0.95
         assert all(v["a"] > 0 for v in d["layers"].values())
     names = list(docs[0]["layers"])
