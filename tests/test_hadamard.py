@@ -80,3 +80,8 @@ def test_signs_are_seeded_and_pack_round_trip():
     packed = pack_signs(a)
     assert packed.dtype == torch.uint8 and packed.numel() == 1536 // 8
     assert torch.equal(unpack_signs(packed), a)
+
+
+def test_transform_on_device_matches_cpu(device):
+    x = torch.randn(4, 1536, generator=torch.Generator().manual_seed(1))
+    assert torch.allclose(hadamard_transform(x.to(device)).cpu(), hadamard_transform(x), atol=1e-5)
