@@ -34,6 +34,8 @@ from typing import Callable, Iterable
 import torch
 import torch.nn.functional as F
 
+from .fileio import atomic_write_json
+
 FORMAT = "qpalette.sensitivity/1"
 PARTIAL_FORMAT = "qpalette.sensitivity-partial/1"
 
@@ -100,16 +102,6 @@ def decoder_blocks(model):
 
 def _blocks_prefix(model) -> str:
     return "model.layers"
-
-
-def atomic_write_json(path: Path, obj) -> None:
-    path = Path(path)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 # --------------------------------------------------------------------------- evaluation sets

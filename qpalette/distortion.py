@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from .codebooks import profiles_dir
+from .fileio import atomic_write_json
 from .palette import Quantizer
 
 TABLE_FILE = "distortion_gaussian.json"
@@ -53,10 +54,9 @@ def shipped_table(path: Path | None = None) -> dict[str, DistortionRow]:
 
 
 def write_table(rows: list[DistortionRow], path: Path, how: dict) -> None:
-    payload = {"format": "qpalette.distortion/1", "measured": how, "rows": [asdict(r) for r in rows]}
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload, indent=1) + "\n")
-    tmp.replace(path)
+    atomic_write_json(
+        path, {"format": "qpalette.distortion/1", "measured": how, "rows": [asdict(r) for r in rows]}
+    )
 
 
 def measure_all(

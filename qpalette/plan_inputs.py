@@ -10,12 +10,12 @@ Formats (all JSON, documented in docs/format.md):
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .distortion import DistortionRow
+from .fileio import read_json_object
 from .palette import UnknownQuantizer, get_quantizer
 
 SENSITIVITY_FORMAT = "qpalette.sensitivity/1"
@@ -42,19 +42,6 @@ def sha256_file(path: str | Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def _read_json(path: str | Path, what: str) -> dict:
-    p = Path(path)
-    if not p.is_file():
-        raise InputError(f"{what} file {str(path)!r} does not exist")
-    try:
-        data = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InputError(f"cannot read {what} file {p}: {e}") from e
-    if not isinstance(data, dict):
-        raise InputError(f"{what} file {p} is not a JSON object")
-    return data
-
-
 def _finite(x, what: str) -> float:
     if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
         raise InputError(f"{what}: {x!r} is not a finite number")
@@ -74,7 +61,7 @@ class Sensitivity:
 
 
 def load_sensitivity(path: str | Path) -> Sensitivity:
-    data = _read_json(path, "sensitivity")
+    data = read_json_object(path, "sensitivity", InputError)
     if data.get("format") != SENSITIVITY_FORMAT:
         raise InputError(
             f"{path}: format is {data.get('format')!r}, expected {SENSITIVITY_FORMAT!r} "
@@ -125,7 +112,7 @@ class LatencyProfile:
 
 
 def load_latency(path: str | Path) -> LatencyProfile:
-    data = _read_json(path, "latency profile")
+    data = read_json_object(path, "latency profile", InputError)
     if data.get("format") != LATENCY_FORMAT:
         raise InputError(
             f"{path}: format is {data.get('format')!r}, expected {LATENCY_FORMAT!r} "
@@ -183,7 +170,7 @@ def load_distortion(path: str | Path | None = None) -> DistortionTable:
     from .distortion import TABLE_FILE
 
     p = Path(path) if path else profiles_dir() / TABLE_FILE
-    data = _read_json(p, "distortion table")
+    data = read_json_object(p, "distortion table", InputError)
     if data.get("format") != DISTORTION_FORMAT:
         raise InputError(f"{p}: format is {data.get('format')!r}, expected {DISTORTION_FORMAT!r}")
     rows = {}

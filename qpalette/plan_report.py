@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
 
 from .budget import Budget
+from .fileio import atomic_write, read_json_object
 from .planner import Problem, Solution, choose_groups, gap_decomposition, usage
 from .plan_inputs import GROUPS
 
@@ -17,22 +17,6 @@ PLAN_FORMAT = "qpalette.plan/1"
 
 class PlanFileError(ValueError):
     pass
-
-
-def atomic_write(path: str | Path, data: bytes | str) -> None:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, p)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def make_plan(
@@ -164,13 +148,8 @@ def write_plan(plan: dict, path: str | Path) -> None:
 
 def load_plan(path: str | Path) -> dict:
     p = Path(path)
-    if not p.is_file():
-        raise PlanFileError(f"plan file {str(path)!r} does not exist")
-    try:
-        plan = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise PlanFileError(f"cannot read plan {p}: {e}") from e
-    if not isinstance(plan, dict) or plan.get("format") != PLAN_FORMAT:
+    plan = read_json_object(p, "plan", PlanFileError)
+    if plan.get("format") != PLAN_FORMAT:
         raise PlanFileError(f"{p} is not a qpalette plan (format {PLAN_FORMAT})")
     return plan
 

@@ -33,7 +33,7 @@ from qpalette.plan_inputs import (  # noqa: E402
     SENSITIVITY_FORMAT,
     sha256_file,
 )
-from qpalette.plan_report import atomic_write  # noqa: E402
+from qpalette.fileio import atomic_write  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILY = {"vq2": "vq", "tcq": "tcq", "half-tcq": "half-tcq", "nuq": "nuq"}

@@ -70,7 +70,6 @@ def check_against_brute_force(layers, qs, budgets_kinds, seed, latency=None, fus
     full = build_problem(layers, a, qs, ERR, prune=False, **kw)
     pruned = build_problem(layers, a, qs, ERR, **kw)
     # budgets at random points between each resource's min and max over all covers
-    lo_hi = {}
     import itertools
 
     by_block = {}
