@@ -11,10 +11,11 @@ Supported: Llama, Mistral, Qwen2 and Qwen3 style decoders (dense, no MoE). Their
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+
+from .fileio import read_json_object
 
 KINDS = ("q", "k", "v", "o", "gate", "up", "down")
 #: layers that read the same input share one sign vector and one online transform
@@ -73,12 +74,7 @@ def load_config(path: str | Path) -> dict:
         if p.is_dir():
             raise ArchitectureError(f"{p} has no config.json; is it a Hugging Face model directory?")
         raise ArchitectureError(f"model {str(path)!r}: no such directory or config.json file")
-    try:
-        cfg = json.loads(f.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ArchitectureError(f"cannot read {f}: {e}") from e
-    if not isinstance(cfg, dict):
-        raise ArchitectureError(f"{f} is not a JSON object")
+    cfg = read_json_object(f, "model config", ArchitectureError)
     if "text_config" in cfg and "hidden_size" not in cfg:  # multimodal wrapper
         cfg = cfg["text_config"]
     return cfg
