@@ -30,3 +30,4 @@ def smollm2_dir():
         return resolve_model("smollm2-135m")
     except ModelError as e:
         pytest.skip(f"SmolLM2-135M not available: {e}")
+

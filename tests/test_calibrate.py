@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from shared_data import shared_dir
 from typer.testing import CliRunner
 
 import qpalette.calibrate as cal
@@ -19,7 +20,7 @@ from qpalette.calibrate import (
 from qpalette.cli import app
 from qpalette.models import load_model
 
-WIKITEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext2_raw_test.txt"
+WIKITEXT = shared_dir() / "data" / "wikitext2_raw_test.txt"
 
 
 # --------------------------------------------------------------------------- the fit
@@ -178,7 +179,7 @@ def test_resume_after_interruption(tiny_llama_dir, tmp_path, monkeypatch):
     assert not (tmp_path / "sens.json.partial.json").exists()
 
 
-@pytest.mark.skipif(not WIKITEXT.is_file(), reason="../shared/data/wikitext2_raw_test.txt not present")
+@pytest.mark.skipif(not WIKITEXT.is_file(), reason=f"{WIKITEXT} not present (set QPALETTE_SHARED)")
 def test_data_aware_text_file(tiny_llama_dir, tmp_path):
     out = tmp_path / "sens.json"
     doc = calibrate(_opts(tiny_llama_dir, out, text_file=str(WIKITEXT), num_seqs=3, seq_len=48),
