@@ -164,14 +164,6 @@ def decompose(n: int) -> tuple[int, int]:
     )
 
 
-def is_supported(n: int) -> bool:
-    try:
-        decompose(n)
-    except UnsupportedHadamardSize:
-        return False
-    return True
-
-
 @functools.lru_cache(maxsize=None)
 def _dense_factor(k: int, dtype: torch.dtype, device: str) -> torch.Tensor:
     return torch.from_numpy(hadamard_matrix(k)).to(dtype=dtype, device=device)
