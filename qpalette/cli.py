@@ -83,6 +83,54 @@ def palette(
 
 
 @app.command()
+def calibrate(
+    model: str = typer.Argument(
+        ..., help="Local HF model dir, HF hub id, .gguf/.whl file, or the embedded 'smollm2-135m'."
+    ),
+    output: Path = typer.Option(Path("sens.json"), "--output", "-o", help="Sensitivity JSON to write."),
+    num_seqs: int = typer.Option(256, "--num-seqs", "-n", help="Evaluation sequences."),
+    seq_len: int = typer.Option(512, "--seq-len", help="Tokens per sequence (256×512 = 128K tokens)."),
+    dataset: Optional[str] = typer.Option(
+        None, help="Data-aware: a `datasets` NAME[:CONFIG[:SPLIT]], e.g. wikitext:wikitext-2-raw-v1:test."
+    ),
+    text_file: Optional[Path] = typer.Option(None, "--text-file", help="Data-aware: a UTF-8 text file."),
+    levels: int = typer.Option(16, help="Noise levels t = i/levels, i = 1..levels."),
+    t_max: float = typer.Option(1.0, "--t-max", help="Largest noise level (noise norm / weight norm)."),
+    directions: str = typer.Option(
+        "shared", help="shared: one noise direction per layer scaled over the levels; fresh: one per level."
+    ),
+    seed: int = typer.Option(0, help="Seed of the sampled sequences and of the noise."),
+    device: str = typer.Option("auto", help="auto (all GPUs, else CPU), cpu, cuda, cuda:0,cuda:1 ..."),
+    batch_size: int = typer.Option(0, "--batch-size", help="Sequences per forward pass (0: automatic)."),
+    dtype: str = typer.Option("auto", help="auto (cpu float32, cuda tf32), float32, tf32, bfloat16, float16."),
+    layers: Optional[str] = typer.Option(None, help="Only layers whose name matches this regex."),
+    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run of OUTPUT."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+) -> None:
+    """Per-layer sensitivity a_l (linearity theorem, SPEC §4): noise injection + KL fit."""
+    from .calibrate import CalibrateOptions, CalibrationError, calibrate as run, parse_devices
+    from .models import ModelError
+
+    try:
+        opts = CalibrateOptions(
+            model=model, output=output, num_seqs=num_seqs, seq_len=seq_len, levels=levels,
+            t_max=t_max, seed=seed, devices=parse_devices(device), batch_size=batch_size,
+            dtype=dtype, dataset=dataset, text_file=str(text_file) if text_file else None,
+            layers=layers, resume=resume, progress=not quiet, directions=directions,
+        )
+        doc = run(opts, log=lambda m: typer.echo(m, err=True))
+    except (CalibrationError, ModelError) as e:
+        fail(str(e))
+    except KeyboardInterrupt:
+        fail(f"interrupted; rerun with --resume to continue from {output}.partial.json", 130)
+    t = doc["timing"]
+    typer.echo(
+        f"{doc['n_layers']} layers, {doc['tokens']} tokens ({doc['protocol']}), median R² "
+        f"{doc['median_r2']:.4f}, {t['total_s']:.1f} s on {','.join(t['devices'])} → {output}"
+    )
+
+
+@app.command()
 def plan(
     model: Optional[str] = typer.Argument(
         None, help="Local HF model directory or its config.json (omit: shapes from --sensitivity)."
@@ -152,54 +200,6 @@ def plan(
         sys.stderr.close()  # output piped into `head`: stop quietly
     except OSError as e:
         fail(f"{e.filename or ''}: {e.strerror or e}")
-
-
-@app.command()
-def calibrate(
-    model: str = typer.Argument(
-        ..., help="Local HF model dir, HF hub id, .gguf/.whl file, or the embedded 'smollm2-135m'."
-    ),
-    output: Path = typer.Option(Path("sens.json"), "--output", "-o", help="Sensitivity JSON to write."),
-    num_seqs: int = typer.Option(256, "--num-seqs", "-n", help="Evaluation sequences."),
-    seq_len: int = typer.Option(512, "--seq-len", help="Tokens per sequence (256×512 = 128K tokens)."),
-    dataset: Optional[str] = typer.Option(
-        None, help="Data-aware: a `datasets` NAME[:CONFIG[:SPLIT]], e.g. wikitext:wikitext-2-raw-v1:test."
-    ),
-    text_file: Optional[Path] = typer.Option(None, "--text-file", help="Data-aware: a UTF-8 text file."),
-    levels: int = typer.Option(16, help="Noise levels t = i/levels, i = 1..levels."),
-    t_max: float = typer.Option(1.0, "--t-max", help="Largest noise level (noise norm / weight norm)."),
-    directions: str = typer.Option(
-        "shared", help="shared: one noise direction per layer scaled over the levels; fresh: one per level."
-    ),
-    seed: int = typer.Option(0, help="Seed of the sampled sequences and of the noise."),
-    device: str = typer.Option("auto", help="auto (all GPUs, else CPU), cpu, cuda, cuda:0,cuda:1 ..."),
-    batch_size: int = typer.Option(0, "--batch-size", help="Sequences per forward pass (0: automatic)."),
-    dtype: str = typer.Option("auto", help="auto (cpu float32, cuda tf32), float32, tf32, bfloat16, float16."),
-    layers: Optional[str] = typer.Option(None, help="Only layers whose name matches this regex."),
-    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run of OUTPUT."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
-) -> None:
-    """Per-layer sensitivity a_l (linearity theorem, SPEC §4): noise injection + KL fit."""
-    from .calibrate import CalibrateOptions, CalibrationError, calibrate as run, parse_devices
-    from .models import ModelError
-
-    try:
-        opts = CalibrateOptions(
-            model=model, output=output, num_seqs=num_seqs, seq_len=seq_len, levels=levels,
-            t_max=t_max, seed=seed, devices=parse_devices(device), batch_size=batch_size,
-            dtype=dtype, dataset=dataset, text_file=str(text_file) if text_file else None,
-            layers=layers, resume=resume, progress=not quiet, directions=directions,
-        )
-        doc = run(opts, log=lambda m: typer.echo(m, err=True))
-    except (CalibrationError, ModelError) as e:
-        fail(str(e))
-    except KeyboardInterrupt:
-        fail(f"interrupted; rerun with --resume to continue from {output}.partial.json", 130)
-    t = doc["timing"]
-    typer.echo(
-        f"{doc['n_layers']} layers, {doc['tokens']} tokens ({doc['protocol']}), median R² "
-        f"{doc['median_r2']:.4f}, {t['total_s']:.1f} s on {','.join(t['devices'])} → {output}"
-    )
 
 
 if __name__ == "__main__":
