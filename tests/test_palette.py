@@ -1,5 +1,4 @@
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -72,6 +71,7 @@ def test_round_trip_is_stable(name, device):
     for k, t in qm.tensors.items():
         if k.startswith("codes"):
             assert t.dtype == torch.int32 and t.shape[:1] == (2,)
+    assert {k: (tuple(t.shape), t.dtype) for k, t in qm.tensors.items()} == q.tensor_specs(32, 64)
     assert qm.nbytes() == q.stored_bytes(32, 64)
     nmse = float((w_hat - w).pow(2).sum() / w.pow(2).sum())
     assert nmse < 4 * 2.0 ** (-2 * q.bits)

@@ -7,6 +7,7 @@ divided by RMS(row)/target, the scale stored in fp16 and multiplied back by dequ
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -53,11 +54,21 @@ class Quantizer(ABC):
         """int32 words of one 16×16 tile: 256·bits bits."""
         return int(round(256 * self.bits)) // 32
 
+    def tensor_specs(self, rows: int, cols: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Name → (shape, dtype) of every tensor `quantize` stores for a rows×cols matrix, so a
+        module can allocate matching buffers before loading a checkpoint."""
+        self.check_shape(rows, cols)
+        return {
+            "codes": ((rows // TILE, cols // TILE, self.code_words_per_tile()), torch.int32),
+            "row_scale": ((rows,), torch.float16),
+        }
+
     def stored_bytes(self, rows: int, cols: int) -> int:
         """Bytes this entry writes for a rows×cols matrix: codes + fp16 row scales."""
-        self.check_shape(rows, cols)
-        tiles = (rows // TILE) * (cols // TILE)
-        return 4 * tiles * self.code_words_per_tile() + 2 * rows
+        return sum(
+            math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+            for shape, dtype in self.tensor_specs(rows, cols).values()
+        )
 
     # -- numerics ----------------------------------------------------------------------------
     @abstractmethod

@@ -62,9 +62,10 @@ class HalfTCQ(Quantizer):
                 f"16-wide tiles, so columns must be a multiple of {2 * TILE}"
             )
 
-    def stored_bytes(self, rows: int, cols: int) -> int:
+    def tensor_specs(self, rows: int, cols: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         self.check_shape(rows, cols)
-        return sum(h.stored_bytes(rows, cols // 2) for h in self.halves) - 2 * rows
+        a, b = (h.tensor_specs(rows, cols // 2)["codes"] for h in self.halves)
+        return {"codes_a": a, "codes_b": b, "row_scale": ((rows,), torch.float16)}
 
     def row_target(self) -> float:
         return self.halves[1].row_target()
