@@ -31,8 +31,11 @@ def atomic_write_json(path: str | Path, obj) -> None:
     atomic_write(path, json.dumps(obj, indent=1) + "\n")
 
 
-def read_json_object(path: str | Path, what: str, error: type[Exception]) -> dict:
-    """Parse a JSON object from `path`, raising `error` with a message naming `what` and the file."""
+def read_json_object(
+    path: str | Path, what: str, error: type[Exception], fmt: str | None = None, hint: str = ""
+) -> dict:
+    """Parse a JSON object from `path`, raising `error` with a message naming `what` and the file;
+    with `fmt`, also require its `format` field to equal fmt (`hint` says where such files come from)."""
     p = Path(path)
     if not p.is_file():
         raise error(f"{what} file {str(path)!r} does not exist")
@@ -42,4 +45,8 @@ def read_json_object(path: str | Path, what: str, error: type[Exception]) -> dic
         raise error(f"cannot read {what} file {p}: {e}") from e
     if not isinstance(data, dict):
         raise error(f"{what} file {p} is not a JSON object")
+    if fmt is not None and data.get("format") != fmt:
+        raise error(
+            f"{p}: format is {data.get('format')!r}, expected {fmt!r}" + (f" ({hint})" if hint else "")
+        )
     return data

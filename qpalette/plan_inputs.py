@@ -61,13 +61,11 @@ class Sensitivity:
 
 
 def load_sensitivity(path: str | Path) -> Sensitivity:
-    data = read_json_object(path, "sensitivity", InputError)
-    if data.get("format") != SENSITIVITY_FORMAT:
-        raise InputError(
-            f"{path}: format is {data.get('format')!r}, expected {SENSITIVITY_FORMAT!r} "
-            "(written by `qpalette calibrate`; the paper's table converts with "
-            "scripts/import_reference_tables.py)"
-        )
+    data = read_json_object(
+        path, "sensitivity", InputError, SENSITIVITY_FORMAT,
+        "written by `qpalette calibrate`; the paper's table converts with "
+        "scripts/import_reference_tables.py",
+    )
     layers = data.get("layers")
     if not isinstance(layers, dict) or not layers:
         raise InputError(f"{path}: 'layers' must be a non-empty object name → {{a, r2, shape}}")
@@ -112,12 +110,10 @@ class LatencyProfile:
 
 
 def load_latency(path: str | Path) -> LatencyProfile:
-    data = read_json_object(path, "latency profile", InputError)
-    if data.get("format") != LATENCY_FORMAT:
-        raise InputError(
-            f"{path}: format is {data.get('format')!r}, expected {LATENCY_FORMAT!r} "
-            "(the paper's RTX 4090 table converts with scripts/import_reference_tables.py)"
-        )
+    data = read_json_object(
+        path, "latency profile", InputError, LATENCY_FORMAT,
+        "the paper's RTX 4090 table converts with scripts/import_reference_tables.py",
+    )
     bs = data.get("batch_size")
     if not isinstance(bs, int) or bs < 1:
         raise InputError(f"{path}: batch_size {bs!r} is not a positive integer")
@@ -170,9 +166,7 @@ def load_distortion(path: str | Path | None = None) -> DistortionTable:
     from .distortion import TABLE_FILE
 
     p = Path(path) if path else profiles_dir() / TABLE_FILE
-    data = read_json_object(p, "distortion table", InputError)
-    if data.get("format") != DISTORTION_FORMAT:
-        raise InputError(f"{p}: format is {data.get('format')!r}, expected {DISTORTION_FORMAT!r}")
+    data = read_json_object(p, "distortion table", InputError, DISTORTION_FORMAT)
     rows = {}
     for r in data.get("rows", []):
         try:

@@ -147,11 +147,7 @@ def write_plan(plan: dict, path: str | Path) -> None:
 
 
 def load_plan(path: str | Path) -> dict:
-    p = Path(path)
-    plan = read_json_object(p, "plan", PlanFileError)
-    if plan.get("format") != PLAN_FORMAT:
-        raise PlanFileError(f"{p} is not a qpalette plan (format {PLAN_FORMAT})")
-    return plan
+    return read_json_object(path, "plan", PlanFileError, PLAN_FORMAT, "written by `qpalette plan`")
 
 
 # -- text ---------------------------------------------------------------------------------------
