@@ -79,13 +79,11 @@ def noise_direction(shape, seed: int, layer_index: int, level: int, device) -> t
 
 def linear_layers(model) -> list[tuple[str, torch.nn.Linear, int]]:
     """(full name, module, block index) of every nn.Linear inside the decoder blocks, in order."""
-    blocks = decoder_blocks(model)
-    prefix = _blocks_prefix(model)
     out = []
-    for j, block in enumerate(blocks):
+    for j, block in enumerate(decoder_blocks(model)):
         for name, mod in block.named_modules():
             if isinstance(mod, torch.nn.Linear):
-                out.append((f"{prefix}.{j}.{name}", mod, j))
+                out.append((f"model.layers.{j}.{name}", mod, j))
     return out
 
 
@@ -98,10 +96,6 @@ def decoder_blocks(model):
             "lm_head (Llama/Mistral/Qwen-style)"
         )
     return layers
-
-
-def _blocks_prefix(model) -> str:
-    return "model.layers"
 
 
 # --------------------------------------------------------------------------- evaluation sets

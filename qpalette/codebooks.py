@@ -89,8 +89,8 @@ def nearest(points: torch.Tensor, centroids: torch.Tensor, chunk: int = 1 << 16)
 def kmeans(samples: torch.Tensor, init: torch.Tensor, iters: int) -> torch.Tensor:
     """Lloyd's k-means in any dimension from given initial centroids (deterministic).
 
-    An empty cluster keeps its centroid; with the product-grid initialisation of the 2-D
-    codebooks every cluster starts populated.
+    An empty cluster keeps its centroid (the starts used by scripts/build_codebooks.py are
+    sample points or lattice points inside the data, so clusters start populated).
     """
     c = init.to(samples.device, samples.dtype).clone()
     k = c.shape[0]
