@@ -39,7 +39,9 @@ def profiles_dir() -> Path:
 @functools.lru_cache(maxsize=None)
 def _all_codebooks(path: str) -> dict[str, torch.Tensor]:
     try:
-        return load_file(path)
+        # fp16-representable values: checkpoints store codebooks in fp16 and kernels decode in
+        # fp16, so encoding against exactly these keeps encoder, reference and kernels equal.
+        return {k: v.half().float() for k, v in load_file(path).items()}
     except (FileNotFoundError, SafetensorError, OSError) as e:
         raise CodebookError(
             f"cannot read the shipped codebooks at {path} ({e}); reinstall qpalette or run "
@@ -48,7 +50,7 @@ def _all_codebooks(path: str) -> dict[str, torch.Tensor]:
 
 
 def codebook(name: str) -> torch.Tensor:
-    """A shipped codebook as float32 (CPU); raises CodebookError naming what is missing."""
+    """A shipped codebook as float32 holding fp16-exact values (CPU); raises CodebookError naming what is missing."""
     books = _all_codebooks(str(profiles_dir() / CODEBOOK_FILE))
     if name not in books:
         raise CodebookError(f"codebook {name!r} is not in {CODEBOOK_FILE} (have: {sorted(books)})")
