@@ -202,5 +202,64 @@ def plan(
         fail(f"{e.filename or ''}: {e.strerror or e}")
 
 
+@app.command("eval")
+def eval_(
+    model: str = typer.Argument(
+        ..., help="Local HF model dir (original or compressed), HF hub id, .gguf/.whl file, or "
+        "the embedded 'smollm2-135m'."
+    ),
+    dataset: str | None = typer.Option(
+        None, help="Perplexity on a `datasets` test split: wikitext2 (the default when neither "
+        "--text-file nor --kl-to is given; needs the hub)."
+    ),
+    text_file: Path | None = typer.Option(
+        None, "--text-file", help="Perplexity on a local UTF-8 text file (read as is)."
+    ),
+    ctx: int = typer.Option(2048, "--ctx", help="Tokens per non-overlapping perplexity window."),
+    max_windows: int | None = typer.Option(
+        None, "--max-windows", help="Score only the first N windows (default: all)."
+    ),
+    batch_size: int = typer.Option(1, "--batch-size", help="Windows per forward pass."),
+    kl_to: str | None = typer.Option(
+        None, "--kl-to", help="Reference model (e.g. the FP16 original): data-free mean KL(ref ‖ model) "
+        "on sequences sampled from the reference."
+    ),
+    kl_seqs: int = typer.Option(32, "--kl-seqs", help="Sequences sampled from the reference for --kl-to."),
+    kl_len: int = typer.Option(512, "--kl-len", help="Tokens per sampled sequence (BOS included)."),
+    seed: int = typer.Option(0, help="Seed of the sampled sequences."),
+    device: str = typer.Option("auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N."),
+    dtype: str = typer.Option("auto", help="auto (cpu float32, cuda float16), float32, float16, bfloat16."),
+    json_out: Path | None = typer.Option(None, "--json", help="Also write the result to this JSON file."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
+) -> None:
+    """Perplexity over non-overlapping --ctx windows (GPTQ protocol) and/or data-free KL to a reference.
+
+    Examples:
+
+      qpalette eval smollm2-135m --dataset wikitext2 --ctx 2048
+
+      qpalette eval compressed_dir --text-file wiki.test.raw --kl-to smollm2-135m --json eval.json
+    """
+    from .evaluate import EvalError, EvalOptions, evaluate
+    from .models import ModelError
+
+    try:
+        opts = EvalOptions(
+            model=model, dataset=dataset, text_file=str(text_file) if text_file else None, ctx=ctx,
+            max_windows=max_windows, batch_size=batch_size, kl_to=kl_to, kl_seqs=kl_seqs, kl_len=kl_len,
+            seed=seed, device=device, dtype=dtype, json_out=str(json_out) if json_out else None,
+            progress=not quiet,
+        )
+        evaluate(opts, log=typer.echo)
+    except (EvalError, ModelError) as e:
+        fail(str(e))
+    except KeyboardInterrupt:
+        fail("interrupted", 130)
+    except OSError as e:
+        fail(f"{e.filename or ''}: {e.strerror or e}")
+    if json_out:
+        typer.echo(f"wrote {json_out}")
+
+
 if __name__ == "__main__":
     app()

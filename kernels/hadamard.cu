@@ -1,0 +1,124 @@
+// Online Hadamard transform y = H(s ⊙ x), H = (H_K ⊗ H_{2^m})/√n (qpalette/hadamard.py), over
+// each row of x. One block per (row, slice): the row, sign-flipped, goes to shared memory in
+// fp32; the 2^m-point Sylvester butterflies run on each of the K segments (natural order, the
+// same as the reference's); then each block writes its slice of the K outputs of every column
+// b: y[a'·2^m + b] = Σ_a H_K[a', a] z[a·2^m + b] / √n. With K = 1 there is one slice. Several
+// slices per row (each redoing the cheap butterflies) spread the dense K part over the GPU
+// when there are few rows (decode).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "qpalette_kernels.h"
+
+namespace qp {
+namespace {
+
+template <class T>
+__device__ __forceinline__ float ld(const T* p, long long i);
+template <>
+__device__ __forceinline__ float ld<__half>(const __half* p, long long i) { return __half2float(p[i]); }
+template <>
+__device__ __forceinline__ float ld<__nv_bfloat16>(const __nv_bfloat16* p, long long i) {
+  return __bfloat162float(p[i]);
+}
+template <class T>
+__device__ __forceinline__ void st(T* p, long long i, float v);
+template <>
+__device__ __forceinline__ void st<__half>(__half* p, long long i, float v) { p[i] = __float2half_rn(v); }
+template <>
+__device__ __forceinline__ void st<__nv_bfloat16>(__nv_bfloat16* p, long long i, float v) {
+  p[i] = __float2bfloat16_rn(v);
+}
+
+template <class T>
+__global__ void __launch_bounds__(512) hadamard_kernel(const T* __restrict__ x, T* __restrict__ y,
+                                                       const uint8_t* __restrict__ signs,
+                                                       const int8_t* __restrict__ hk, int n, int k,
+                                                       int p2, float scale) {
+  extern __shared__ float z[];
+  const long long row = blockIdx.x;
+  const T* xr = x + row * n;
+  T* yr = y + row * n;
+  // signs: bit 7 − (i mod 8) of byte i/8 set ⇔ s_i = −1
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const float v = ld(xr, i);
+    z[i] = ((signs[i >> 3] >> (7 - (i & 7))) & 1) ? -v : v;
+  }
+  __syncthreads();
+  // butterflies of stride h < p2 over the whole row never cross a segment of length p2
+  const int half = n >> 1;
+  int h = 1;
+  // two stages at once (radix 4) while possible: fewer barriers
+  for (; 4 * h <= p2; h *= 4) {
+    for (int q = threadIdx.x; q < (n >> 2); q += blockDim.x) {
+      const int base = (q / h) * 4 * h + (q % h);
+      const float a0 = z[base], a1 = z[base + h], a2 = z[base + 2 * h], a3 = z[base + 3 * h];
+      const float b0 = a0 + a1, b1 = a0 - a1, b2 = a2 + a3, b3 = a2 - a3;
+      z[base] = b0 + b2;
+      z[base + h] = b1 + b3;
+      z[base + 2 * h] = b0 - b2;
+      z[base + 3 * h] = b1 - b3;
+    }
+    __syncthreads();
+  }
+  for (; h < p2; h *= 2) {
+    for (int q = threadIdx.x; q < half; q += blockDim.x) {
+      const int i = (q / h) * 2 * h + (q % h);
+      const float a = z[i], b = z[i + h];
+      z[i] = a + b;
+      z[i + h] = a - b;
+    }
+    __syncthreads();
+  }
+  if (k == 1) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) st(yr, i, z[i] * scale);
+    return;
+  }
+  // this block's output rows a' of H_K
+  const int a_lo = static_cast<int>(static_cast<long long>(blockIdx.y) * k / gridDim.y);
+  const int a_hi = static_cast<int>(static_cast<long long>(blockIdx.y + 1) * k / gridDim.y);
+  const int cnt = (a_hi - a_lo) * p2;
+  for (int idx = threadIdx.x; idx < cnt; idx += blockDim.x) {
+    const int ap = a_lo + idx / p2, b = idx % p2;
+    const int8_t* hrow = hk + static_cast<long long>(ap) * k;
+    float s = 0.f;
+#pragma unroll 4
+    for (int a = 0; a < k; ++a) s += static_cast<float>(__ldg(hrow + a)) * z[a * p2 + b];
+    st(yr, static_cast<long long>(ap) * p2 + b, s * scale);
+  }
+}
+
+template <class T>
+int launch(const void* x, void* y, const uint8_t* signs, const int8_t* hk, int rows, int n, int k,
+           int p2, int num_sms, void* stream) {
+  if (rows == 0) return 0;
+  const size_t smem = static_cast<size_t>(n) * sizeof(float);
+  if (smem > 48 * 1024) {
+    cudaError_t e = cudaFuncSetAttribute(hadamard_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem));
+    if (e != cudaSuccess) return e;
+  }
+  int slices = 1;
+  if (k > 1) {
+    slices = (2 * num_sms + rows - 1) / rows;
+    if (slices > k) slices = k;
+    if (slices < 1) slices = 1;
+  }
+  int threads = n / 4;
+  threads = threads < 128 ? 128 : (threads > 512 ? 512 : threads);
+  hadamard_kernel<T><<<dim3(rows, slices), threads, smem, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const T*>(x), static_cast<T*>(y), signs, hk, n, k, p2, rsqrtf(static_cast<float>(n)));
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+int hadamard(const void* x, void* y, const uint8_t* signs, const int8_t* hk, int rows, int n, int k,
+             int p2, int dtype, int num_sms, void* stream) {
+  if (k * p2 != n || (p2 & (p2 - 1)) != 0) return -1;
+  return dtype == BF16 ? launch<__nv_bfloat16>(x, y, signs, hk, rows, n, k, p2, num_sms, stream)
+                       : launch<__half>(x, y, signs, hk, rows, n, k, p2, num_sms, stream);
+}
+
+}  // namespace qp

@@ -1,0 +1,38 @@
+#!/bin/bash
+# GPU work of the kernels issue (6) in one device-tool call (carry [".whl"]):
+#   scripts/gpu_kernels.sh [build] [tests] [bench] [benchall] [sass]
+# build: compile the extension (timed); tests: pytest -m gpu tests/test_kernels.py;
+# bench: scripts/bench_kernels.py on the target entries; benchall: every entry. Logs in $OUT.
+set -uo pipefail
+T0=$(date +%s)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl || exit 1
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 QPALETTE_CACHE=/tmp/qpcache MAX_JOBS=16
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+exec > >(tee -a "$OUT/log.txt") 2>&1
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.total --format=csv,noheader
+echo "ninja: $(command -v ninja)"
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(build tests bench)
+for step in "${steps[@]}"; do
+  echo "=== $step at $(( $(date +%s) - T0 )) s"
+  case $step in
+    build)
+      QPALETTE_KERNELS_VERBOSE=${VERBOSE:-0} python3 -c "
+import time, torch; t=time.time()
+from qpalette import kernels; kernels.extension()
+print(f'kernels built in {time.time()-t:.1f} s for sm_{kernels.arch_of()}')" || exit 1 ;;
+    tests)
+      timeout ${TEST_LIMIT:-300} python3 -m pytest -q -m gpu tests/test_kernels.py -x -p no:cacheprovider \
+        ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tail -40 ;;
+    bench)
+      timeout ${BENCH_LIMIT:-200} python3 scripts/bench_kernels.py --out "$OUT" \
+        --entries "${BENCH_ENTRIES:-tcq-2.0,tcq-3.0,tcq-4.0,nuq-4,vq-4.0,half-tcq-3.25,vq-2.0,nuq-8}" \
+        --shapes "${BENCH_SHAPES:-all}" | tail -60 ;;
+    benchall)
+      timeout ${BENCH_LIMIT:-400} python3 scripts/bench_kernels.py --out "$OUT" | tail -5 ;;
+    sass)
+      so=$(ls /tmp/qpcache/kernels/*/qmm_tcq_f16.cuda.o | head -1)
+      cuobjdump -sass "$so" | grep -A400 "TcqDecILi4ELi9EEES2_6__half" | head -400 > "$OUT/sass_tcq4.txt" ;;
+  esac
+done
+echo "=== done at $(( $(date +%s) - T0 )) s"
