@@ -46,30 +46,38 @@ __global__ void __launch_bounds__(512) hadamard_kernel(const T* __restrict__ x, 
     z[i] = ((signs[i >> 3] >> (7 - (i & 7))) & 1) ? -v : v;
   }
   __syncthreads();
-  // butterflies of stride h < p2 over the whole row never cross a segment of length p2
-  const int half = n >> 1;
-  int h = 1;
-  // two stages at once (radix 4) while possible: fewer barriers
-  for (; 4 * h <= p2; h *= 4) {
-    for (int q = threadIdx.x; q < (n >> 2); q += blockDim.x) {
-      const int base = (q / h) * 4 * h + (q % h);
-      const float a0 = z[base], a1 = z[base + h], a2 = z[base + 2 * h], a3 = z[base + 3 * h];
-      const float b0 = a0 + a1, b1 = a0 - a1, b2 = a2 + a3, b3 = a2 - a3;
-      z[base] = b0 + b2;
-      z[base + h] = b1 + b3;
-      z[base + 2 * h] = b0 - b2;
-      z[base + 3 * h] = b1 - b3;
+  // butterflies of stride h < p2 over the whole row never cross a segment of length p2; up to
+  // three stages (h, 2h, 4h) a pass in registers: one barrier for three stages
+  for (int h = 1; h < p2;) {
+    const int left = __ffs(p2) - 1 - (__ffs(h) - 1);  // stages still to do
+    const int r = left >= 3 ? 3 : left;
+    const int span = h << r;
+    const int groups = n >> r;
+    for (int q = threadIdx.x; q < groups; q += blockDim.x) {
+      const int base = (q / h) * span + (q % h);
+      float v[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        if (i < (1 << r)) v[i] = z[base + i * h];
+#pragma unroll
+      for (int st = 1; st < 8; st <<= 1) {
+        if (st < (1 << r)) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            if (!(i & st) && i < (1 << r)) {
+              const float a = v[i], b = v[i + st];
+              v[i] = a + b;
+              v[i + st] = a - b;
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        if (i < (1 << r)) z[base + i * h] = v[i];
     }
     __syncthreads();
-  }
-  for (; h < p2; h *= 2) {
-    for (int q = threadIdx.x; q < half; q += blockDim.x) {
-      const int i = (q / h) * 2 * h + (q % h);
-      const float a = z[i], b = z[i + h];
-      z[i] = a + b;
-      z[i + h] = a - b;
-    }
-    __syncthreads();
+    h = span;
   }
   if (k == 1) {
     for (int i = threadIdx.x; i < n; i += blockDim.x) st(yr, i, z[i] * scale);
@@ -105,7 +113,7 @@ int launch(const void* x, void* y, const uint8_t* signs, const int8_t* hk, int r
     if (slices > k) slices = k;
     if (slices < 1) slices = 1;
   }
-  int threads = n / 4;
+  int threads = n / 8;
   threads = threads < 128 ? 128 : (threads > 512 ? 512 : threads);
   hadamard_kernel<T><<<dim3(rows, slices), threads, smem, static_cast<cudaStream_t>(stream)>>>(
       static_cast<const T*>(x), static_cast<T*>(y), signs, hk, n, k, p2, rsqrtf(static_cast<float>(n)));

@@ -41,9 +41,34 @@ struct QmmKParams {
   int halves;
 };
 
+// Replicate the E-entry table C times into shared memory. Phase 1 puts the E entries (≤ 4096
+// words) in `raw` with all loads in flight at once; phase 2 spreads them with 16-byte stores.
+// Ends with __syncthreads.
 template <class G>
-__device__ __forceinline__ void fill_lut(uint32_t* lut, const uint32_t* src) {
-  for (int i = threadIdx.x; i < G::WORDS; i += blockDim.x) lut[i] = __ldg(src + (i >> G::LOGC));
+__device__ __forceinline__ void fill_lut(uint32_t* lut, uint32_t* raw, const uint32_t* src) {
+  constexpr int PER = (G::E + 255) / 256;
+  uint32_t v[PER];
+#pragma unroll
+  for (int k = 0; k < PER; ++k) {
+    const int e = threadIdx.x + k * 256;
+    v[k] = (e < G::E && threadIdx.x < 256) ? __ldg(src + e) : 0u;
+  }
+#pragma unroll
+  for (int k = 0; k < PER; ++k) {
+    const int e = threadIdx.x + k * 256;
+    if (e < G::E && threadIdx.x < 256) raw[e] = v[k];
+  }
+  __syncthreads();
+  if constexpr (G::C >= 4) {
+    uint4* l4 = reinterpret_cast<uint4*>(lut);
+    for (int i = threadIdx.x; i < G::WORDS / 4; i += blockDim.x) {
+      const uint32_t e = raw[(4 * i) >> G::LOGC];
+      l4[i] = make_uint4(e, e, e, e);
+    }
+  } else {
+    for (int i = threadIdx.x; i < G::WORDS; i += blockDim.x) lut[i] = raw[i >> G::LOGC];
+  }
+  __syncthreads();
 }
 
 __device__ __forceinline__ int warp_of_tile(long long t, long long total, int nw) {
@@ -89,10 +114,12 @@ __device__ __noinline__ void flush(const QmmKParams& p, int row, float a0, float
     atomicAdd(w0 + n1, acc[1]);
     atomicAdd(w1 + n1, acc[3]);
   }
-  __threadfence();
   __syncwarp();
   int old = 0;
-  if (lane == 0) old = atomicAdd(p.cnt + row, 1);
+  if (lane == 0) {
+    __threadfence();  // cumulative: orders the whole warp's adds (syncwarp above) before the count
+    old = atomicAdd(p.cnt + row, 1);
+  }
   old = __shfl_sync(0xffffffffu, old, 0);
   if (old != expected - 1) return;
   __threadfence();
@@ -113,7 +140,7 @@ __device__ __noinline__ void flush(const QmmKParams& p, int row, float a0, float
 }
 
 template <class D, class T, int NW_WORDS_MAX>
-__device__ __forceinline__ void qmm_half(const QmmKParams& p, int half, uint32_t* lut,
+__device__ __forceinline__ void qmm_half(const QmmKParams& p, int half, uint32_t* lut, uint32_t* raw,
                                          const uint32_t* lut_src, uint32_t* stage_base) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int gw = blockIdx.x * NWB + warp;
@@ -138,8 +165,7 @@ __device__ __forceinline__ void qmm_half(const QmmKParams& p, int half, uint32_t
     if (s < nst) issue(s);
     cp_async_commit();
   }
-  fill_lut<typename D::G>(lut, lut_src);
-  __syncthreads();
+  fill_lut<typename D::G>(lut, raw, lut_src);
   if (!active) return;
 
   const LaneGeom<D> geo(lane);
@@ -160,8 +186,8 @@ __device__ __forceinline__ void qmm_half(const QmmKParams& p, int half, uint32_t
     uint32_t bx[ST][2];
 #pragma unroll
     for (int u = 0; u < ST; ++u) {
-      int ju = j + u;
-      while (ju >= p.ct) ju -= p.ct;  // a stage may cross row tiles (several if CT < ST)
+      int ju = j + u;  // a stage may cross row tiles (several when CT < ST)
+      ju = p.ct >= ST ? (ju >= p.ct ? ju - p.ct : ju) : ju % p.ct;
       if (xv && u < nt) {
         const uint32_t* xp = reinterpret_cast<const uint32_t*>(xrow + ju * 16);
         bx[u][0] = __ldg(xp);
@@ -205,11 +231,12 @@ __global__ void __launch_bounds__(NWB * 32) qmm_kernel(QmmKParams p) {
   extern __shared__ __align__(16) uint32_t smem[];
   using G = typename DA::G;
   constexpr int WMAX = DA::W > DB::W ? DA::W : DB::W;
-  uint32_t* stage = smem + G::WORDS;
+  uint32_t* raw = smem + G::WORDS;
+  uint32_t* stage = raw + G::E;
   if (blockIdx.y == 0)
-    qmm_half<DA, T, WMAX>(p, 0, smem, p.lut, stage);
+    qmm_half<DA, T, WMAX>(p, 0, smem, raw, p.lut, stage);
   else
-    qmm_half<DB, T, WMAX>(p, 1, smem, p.lut, stage);
+    qmm_half<DB, T, WMAX>(p, 1, smem, raw, p.lut, stage);
 }
 
 // ---- dequantize: one warp a tile (grid-stride), writes scaled W_r in dtype --------------------
@@ -259,8 +286,7 @@ template <class DA, class DB, class T>
 __global__ void __launch_bounds__(256) dequant_kernel(DqKParams p) {
   extern __shared__ __align__(16) uint32_t smem[];
   using G = typename DA::G;
-  fill_lut<G>(smem, p.lut);
-  __syncthreads();
+  fill_lut<G>(smem, smem + G::WORDS, p.lut);
   if (blockIdx.y == 0)
     dequant_half<DA, T>(p, 0, smem);
   else
@@ -274,7 +300,7 @@ int launch_qmm(const QmmArgs& a, int halves) {
   using G = typename DA::G;
   static_assert(DA::LOG2E == DB::LOG2E, "the two halves share one table");
   constexpr int WMAX = DA::W > DB::W ? DA::W : DB::W;
-  constexpr size_t smem = (G::WORDS + NWB * STAGES * ST * WMAX) * sizeof(uint32_t);
+  constexpr size_t smem = (G::WORDS + G::E + NWB * STAGES * ST * WMAX) * sizeof(uint32_t);
   auto kern = qmm_kernel<DA, DB, T>;
   static int blocks_per_sm[64];  // per device, 0 = not yet queried
   int dev = 0;
@@ -317,7 +343,7 @@ int launch_qmm(const QmmArgs& a, int halves) {
 template <class DA, class DB, class T>
 int launch_dequant(const DequantArgs& a, int halves) {
   using G = typename DA::G;
-  constexpr size_t smem = G::WORDS * sizeof(uint32_t);
+  constexpr size_t smem = (G::WORDS + G::E) * sizeof(uint32_t);
   auto kern = dequant_kernel<DA, DB, T>;
   static bool attr[64];
   int dev = 0;

@@ -31,8 +31,14 @@ print(f'kernels built in {time.time()-t:.1f} s for sm_{kernels.arch_of()}')" || 
     benchall)
       timeout ${BENCH_LIMIT:-400} python3 scripts/bench_kernels.py --out "$OUT" | tail -5 ;;
     sass)
-      so=$(ls /tmp/qpcache/kernels/*/qmm_tcq_f16.cuda.o | head -1)
-      cuobjdump -sass "$so" | grep -A400 "TcqDecILi4ELi9EEES2_6__half" | head -400 > "$OUT/sass_tcq4.txt" ;;
+      for f in qmm_tcq_f16 qmm_pair_f16; do
+        cuobjdump -sass /tmp/qpcache/kernels/*/$f.cuda.o > "$OUT/sass_$f.txt"; done ;;
+    ncu)
+      timeout 200 ncu -k regex:qmm_kernel --launch-skip 1 --launch-count ${NCU_COUNT:-2} \
+        --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
+        --section SchedulerStats --section MemoryWorkloadAnalysis \
+        python3 scripts/kernel_probe.py ${NCU_ENTRIES:-tcq-2.0 vq-2.0} > "$OUT/ncu.txt" 2>&1
+      grep -E "qmm_kernel|Duration|Throughput|Issued|Eligible|Active Warps|Registers|Stall|Achieved|Block Limit|One or More|No Eligible" "$OUT/ncu.txt" | head -80 ;;
   esac
 done
 echo "=== done at $(( $(date +%s) - T0 )) s"
