@@ -202,6 +202,54 @@ def plan(
         fail(f"{e.filename or ''}: {e.strerror or e}")
 
 
+@app.command()
+def compress(
+    model: str = typer.Argument(
+        ..., help="Local HF model dir (safetensors), HF hub id, .gguf/.whl file, or 'smollm2-135m'."
+    ),
+    output: Path = typer.Option(..., "--output", "-o", help="Folder to write the compressed model to."),
+    plan_file: Optional[Path] = typer.Option(
+        None, "--plan", "-p", help="A plan from `qpalette plan -o plan.json` (per-layer quantizers, fusion)."
+    ),
+    scheme: Optional[str] = typer.Option(
+        None, "--scheme", "-s", help="One palette entry for every layer instead of a plan, e.g. tcq-3.0."
+    ),
+    fuse: bool = typer.Option(
+        True, "--fuse/--no-fuse", help="Store fused groups (q/k/v, gate/up) as one matrix, one matmul."
+    ),
+    device: str = typer.Option("auto", help="Where to quantize: auto (GPU if present), cpu, cuda, cuda:1."),
+    seed: int = typer.Option(0, help="Seed of the random sign vectors."),
+    resume: bool = typer.Option(False, "--resume", help="Continue a killed run (OUTPUT.partial/)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing OUTPUT folder."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+) -> None:
+    """Rotate and quantize a model block by block into a checkpoint transformers loads
+    (after `import qpalette`)."""
+    from .checkpoint import CheckpointError
+    from .compress import CompressError, CompressOptions, compress as run
+
+    opts = CompressOptions(model=model, output=output, plan=plan_file, scheme=scheme, fuse=fuse,
+                           device=device, resume=resume, overwrite=overwrite, sign_seed=seed,
+                           quiet=quiet)
+    try:
+        rep = run(opts, log=lambda m: typer.echo(m, err=True))
+    except (CompressError, CheckpointError) as e:
+        fail(str(e))
+    except KeyboardInterrupt:
+        fail(f"interrupted; rerun the same command with --resume to continue ({output}.partial)", 130)
+    by = rep["bytes"]
+    typer.echo(
+        f"wrote {output}: {by['total'] / 1e6:.2f} MB of tensors, {rep['avg_bits']:.3f} bits on "
+        f"average, {rep['wall_time_s']:.1f} s on {rep['device']}"
+    )
+    if rep.get("plan_predicted_bytes"):
+        typer.echo("tensor bytes equal the plan's prediction")
+    typer.echo(
+        "load it with:  import qpalette; AutoModelForCausalLM.from_pretrained(...)  — without "
+        "`import qpalette` transformers silently loads random weights"
+    )
+
+
 @app.command("eval")
 def eval_(
     model: str = typer.Argument(
