@@ -291,3 +291,20 @@ def test_smollm2_compress_load_generate(smollm2_dir, tmp_path):
     assert (got - want).norm() / want.norm() < 1e-3
     out = q.generate(**enc, max_new_tokens=10, do_sample=False)
     assert len(tok.decode(out[0, enc["input_ids"].shape[1]:]).strip()) > 0
+
+
+@pytest.mark.gpu
+def test_compress_on_cuda_matches_cpu_and_loads_on_cuda(tiny_llama_dir, tmp_path, ids):
+    """Quantizing on the GPU writes the same codes (NUQ/VQ exactly); the model runs on CUDA."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    run_compress(tiny_llama_dir, tmp_path / "cpu", scheme="vq-2.5", device="cpu")
+    run_compress(tiny_llama_dir, tmp_path / "gpu", scheme="vq-2.5", device="cuda")
+    a, b = shard_tensors(tmp_path / "cpu"), shard_tensors(tmp_path / "gpu")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    cpu = qpalette.from_pretrained(tmp_path / "gpu", device="cpu")
+    gpu = qpalette.from_pretrained(tmp_path / "gpu", device="cuda", dtype=torch.float32)
+    with torch.no_grad():
+        want = cpu(ids).logits
+        got = gpu(ids.cuda()).logits.cpu()
+    assert (got - want).norm() / want.norm() < 1e-4
