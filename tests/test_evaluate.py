@@ -231,6 +231,28 @@ def test_cli_error_in_a_real_process_has_no_traceback(tmp_path):
     assert "error: --text-file" in p.stderr and "Traceback" not in p.stderr + p.stdout
 
 
+@pytest.mark.gpu
+def test_cuda_matches_cpu(tiny_llama_dir, tiny, text_file, tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model, tok = tiny
+    gpu, _ = load_model(tiny_llama_dir, "cuda", torch.float32)
+    ids = tokenize(tok, TEXT * 3)
+    want = perplexity(model, ids, ctx=64).ppl
+    assert perplexity(gpu, ids, ctx=64, batch_size=2).ppl == pytest.approx(want, rel=1e-4)
+    ref, ref_tok = load_model(tiny_llama_dir, "cuda", torch.float32)
+    assert abs(kl_to_reference(gpu, ref, ref_tok, num_seqs=4, seq_len=32, seed=1).kl) < 1e-6
+    out = tmp_path / "e.json"
+    r = runner.invoke(app, ["eval", str(tiny_llama_dir), "--text-file", str(text_file), "--ctx", "64",
+                            "--kl-to", str(tiny_llama_dir), "--kl-seqs", "4", "--kl-len", "32", "--json", str(out),
+                            "-q"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(out.read_text())
+    assert doc["device"] == "cuda" and doc["dtype"] == "float16"  # --device/--dtype auto
+    assert doc["perplexity"]["ppl"] == pytest.approx(want, rel=1e-2) and abs(doc["kl"]["kl"]) < 1e-6
+
+
 # --------------------------------------------------------------------------- the real model
 
 
