@@ -176,6 +176,7 @@ __device__ __forceinline__ void qmm_half(const QmmKParams& p, int half, uint32_t
   int row = static_cast<int>(start / p.ct);
   int j = static_cast<int>(start - static_cast<long long>(row) * p.ct);
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  float acc2[4] = {0.f, 0.f, 0.f, 0.f};  // second chain of products: half the mma latency chain
   bool dirty = false;
 
   for (int it = 0; it < nst; ++it) {
@@ -200,34 +201,57 @@ __device__ __forceinline__ void qmm_half(const QmmKParams& p, int half, uint32_t
     cp_async_wait<STAGES - 1>();
     __syncwarp();
     const uint32_t* sb = buf + (it % STAGES) * ST * D::W;
+    if (nt == ST && j + ST < p.ct) {
+      // common case, a full stage inside one row tile: decode all tiles, then the products
+      // (branch-free, so the scheduler can overlap the tiles' table loads)
+      uint32_t r[ST][4];
 #pragma unroll
-    for (int u = 0; u < ST; ++u) {
-      if (u < nt) {
+      for (int u = 0; u < ST; ++u) {
         uint32_t w[LaneGeom<D>::NWORDS];
 #pragma unroll
         for (int i = 0; i < LaneGeom<D>::NWORDS; ++i) w[i] = sb[u * D::W + geo.off[i]];
-        uint32_t a, b, r[4];
+        uint32_t a, b;
         geo.align(w, a, b);
-        D::decode(a, b, lut, geo.lanebits, r);
-        Act<T>::mma(acc, r, bx[u][0], bx[u][1]);
-        dirty = true;
-        if (++j == p.ct) {
-          flush<T>(p, row, acc[0], acc[1], acc[2], acc[3], lane);
-          acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
-          dirty = false;
-          ++row;
-          j = 0;
+        D::decode(a, b, lut, geo.lanebits, r[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < ST; u += 2) {
+        Act<T>::mma(acc, r[u], bx[u][0], bx[u][1]);
+        Act<T>::mma(acc2, r[u + 1], bx[u + 1][0], bx[u + 1][1]);
+      }
+      j += ST;
+      dirty = true;
+    } else {
+#pragma unroll
+      for (int u = 0; u < ST; ++u) {
+        if (u < nt) {
+          uint32_t w[LaneGeom<D>::NWORDS];
+#pragma unroll
+          for (int i = 0; i < LaneGeom<D>::NWORDS; ++i) w[i] = sb[u * D::W + geo.off[i]];
+          uint32_t a, b, r[4];
+          geo.align(w, a, b);
+          D::decode(a, b, lut, geo.lanebits, r);
+          Act<T>::mma(acc, r, bx[u][0], bx[u][1]);
+          dirty = true;
+          if (++j == p.ct) {
+            flush<T>(p, row, acc[0] + acc2[0], acc[1] + acc2[1], acc[2] + acc2[2], acc[3] + acc2[3], lane);
+            acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
+            acc2[0] = acc2[1] = acc2[2] = acc2[3] = 0.f;
+            dirty = false;
+            ++row;
+            j = 0;
+          }
         }
       }
     }
     __syncwarp();
   }
   cp_async_wait<0>();
-  if (dirty) flush<T>(p, row, acc[0], acc[1], acc[2], acc[3], lane);
+  if (dirty) flush<T>(p, row, acc[0] + acc2[0], acc[1] + acc2[1], acc[2] + acc2[2], acc[3] + acc2[3], lane);
 }
 
 template <class DA, class DB, class T>
-__global__ void __launch_bounds__(NWB * 32) qmm_kernel(QmmKParams p) {
+__global__ void __launch_bounds__(NWB * 32, 2) qmm_kernel(QmmKParams p) {
   extern __shared__ __align__(16) uint32_t smem[];
   using G = typename DA::G;
   constexpr int WMAX = DA::W > DB::W ? DA::W : DB::W;
