@@ -184,21 +184,29 @@ def run_profile(model: str, batch_sizes: list[int] | None = None, out_dir: str |
     say(f"profiling {label}: {len(shapes)} groups, {len(set(shapes.values()))} shapes, "
         f"{len(entries)} entries, batch sizes {batch_sizes} on {torch.cuda.get_device_name()}")
     t0 = time.time()
-    groups = measure_groups(shapes, entries, batch_sizes, tdtype, say)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(str(label)).name.lower())
-    written = []
-    for m in batch_sizes:
+    consts = {}
+    for m in batch_sizes:  # first: it fails fast where the kernel timings would take minutes
         const, parts = 0.0, {}
         if constant:
-            step, method = fp16_decode_step_time(cfg, m, tdtype)
+            try:
+                step, method = fp16_decode_step_time(cfg, m, tdtype)
+            except Exception as e:
+                raise RuntimeError(f"measuring the FP16 decode step failed ({type(e).__name__}: {e}); "
+                                   "rerun with constant=False to keep only kernel timings") from e
             lin = fp16_linear_time(cfg, m, tdtype)
             rot = rotation_time(cfg, m, tdtype)
             const = max(step - lin, 0.0) + rot
             parts = {"fp16_step_s": step, "fp16_linear_s": lin, "rotation_s": rot, "step_method": method}
             say(f"  batch {m}: FP16 step {step * 1e3:.3f} ms ({method}), linear {lin * 1e3:.3f} ms, "
                 f"rotations {rot * 1e3:.3f} ms → constant {const * 1e3:.3f} ms")
+        consts[m] = (const, parts)
+    groups = measure_groups(shapes, entries, batch_sizes, tdtype, say)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(str(label)).name.lower())
+    written = []
+    for m in batch_sizes:
+        const, parts = consts[m]
         doc = {
             "format": LATENCY_FORMAT,
             "model": str(label),

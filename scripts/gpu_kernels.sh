@@ -33,6 +33,18 @@ print(f'kernels built in {time.time()-t:.1f} s for sm_{kernels.arch_of()}')" || 
     sass)
       for f in qmm_tcq_f16 qmm_pair_f16; do
         cuobjdump -sass /tmp/qpcache/kernels/*/$f.cuda.o > "$OUT/sass_$f.txt"; done ;;
+    profile)  # PROFILE_MODELS: smollm2 (carry .devcarry/smollm2) and/or llama; PROFILE_ENTRIES: all
+      for mdl in ${PROFILE_MODELS:-smollm2 llama}; do
+        case $mdl in
+          smollm2) src=.devcarry/smollm2; name=smollm2-135m ;;
+          llama) src=profiles/reference/llama31_8b/config.json; name=meta-llama/Llama-3.1-8B ;;
+        esac
+        timeout ${PROFILE_LIMIT:-400} python3 -c "
+import sys; from qpalette.profile_command import run_profile
+e = '${PROFILE_ENTRIES:-}'
+run_profile('$src', [int(b) for b in '${PROFILE_BATCHES:-1,8}'.split(',')], '$OUT', name='$name',
+            entries=e.split(',') if e else None)" || echo "profile $mdl failed"
+      done ;;
     ncu)
       timeout 200 ncu -k regex:qmm_kernel --launch-skip 1 --launch-count ${NCU_COUNT:-2} \
         --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
