@@ -40,10 +40,35 @@ __global__ void __launch_bounds__(512) hadamard_kernel(const T* __restrict__ x, 
   const long long row = blockIdx.x;
   const T* xr = x + row * n;
   T* yr = y + row * n;
-  // signs: bit 7 − (i mod 8) of byte i/8 set ⇔ s_i = −1
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    const float v = ld(xr, i);
-    z[i] = ((signs[i >> 3] >> (7 - (i & 7))) & 1) ? -v : v;
+  // signs: bit 7 − (i mod 8) of byte i/8 set ⇔ s_i = −1. Eight elements (16 bytes of x, one
+  // byte of signs) a thread and step, up to four steps' loads in flight before the first use.
+  const int n8 = n >> 3;
+  for (int base = 0; base < n8; base += 4 * blockDim.x) {
+    uint4 v[4];
+    uint32_t sg[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int i8 = base + u * blockDim.x + threadIdx.x;
+      if (i8 < n8) {
+        v[u] = __ldg(reinterpret_cast<const uint4*>(xr) + i8);
+        sg[u] = __ldg(signs + i8);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int i8 = base + u * blockDim.x + threadIdx.x;
+      if (i8 < n8) {
+        const T* e = reinterpret_cast<const T*>(&v[u]);
+        float f[8];
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+          const float a = ld(e, q);
+          f[q] = ((sg[u] >> (7 - q)) & 1) ? -a : a;
+        }
+        reinterpret_cast<float4*>(z)[2 * i8] = make_float4(f[0], f[1], f[2], f[3]);
+        reinterpret_cast<float4*>(z)[2 * i8 + 1] = make_float4(f[4], f[5], f[6], f[7]);
+      }
+    }
   }
   __syncthreads();
   // butterflies of stride h < p2 over the whole row never cross a segment of length p2; up to

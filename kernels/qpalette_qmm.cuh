@@ -153,11 +153,17 @@ __device__ __forceinline__ void qmm_half(const QmmKParams& p, int half, uint32_t
   const uint32_t* src = p.codes[half] + start * D::W;
 
   auto issue = [&](int s) {
-    const int tiles = min(ST, ntiles - s * ST);
-    const int chunks = tiles * D::W / 4;
-    const uint32_t* g = src + static_cast<long long>(s) * ST * D::W;
-    uint32_t* d = buf + (s % STAGES) * ST * D::W;
-    for (int ch = lane; ch < chunks; ch += 32) cp_async16(d + 4 * ch, g + 4 * ch);
+    const uint32_t* g = src + static_cast<long long>(s) * ST * D::W + 4 * lane;
+    uint32_t* d = buf + (s % STAGES) * ST * D::W + 4 * lane;
+    constexpr int CHUNKS = ST * D::W / 4;  // 16-byte pieces of a full stage
+    if ((s + 1) * ST <= ntiles) {          // full stage: compile-time trip count
+#pragma unroll
+      for (int k = 0; k < (CHUNKS + 31) / 32; ++k)
+        if (CHUNKS % 32 == 0 || lane + 32 * k < CHUNKS) cp_async16(d + 128 * k, g + 128 * k);
+    } else {
+      const int chunks = (ntiles - s * ST) * D::W / 4;
+      for (int ch = lane, k = 0; ch < chunks; ch += 32, ++k) cp_async16(d + 128 * k, g + 128 * k);
+    }
   };
   // start streaming before the table fill so the loads overlap it
 #pragma unroll
@@ -183,25 +189,35 @@ __device__ __forceinline__ void qmm_half(const QmmKParams& p, int half, uint32_t
     if (it + STAGES - 1 < nst) issue(it + STAGES - 1);
     cp_async_commit();
     const int nt = min(ST, ntiles - it * ST);
+    const bool fast = nt == ST && j + ST < p.ct;  // a full stage inside one row tile
     // activations of this stage's tiles (B fragments), loaded before waiting on the codes
     uint32_t bx[ST][2];
+    if (fast) {
+      const uint32_t* xp = reinterpret_cast<const uint32_t*>(xrow + j * 16);
 #pragma unroll
-    for (int u = 0; u < ST; ++u) {
-      int ju = j + u;  // a stage may cross row tiles (several when CT < ST)
-      ju = p.ct >= ST ? (ju >= p.ct ? ju - p.ct : ju) : ju % p.ct;
-      if (xv && u < nt) {
-        const uint32_t* xp = reinterpret_cast<const uint32_t*>(xrow + ju * 16);
-        bx[u][0] = __ldg(xp);
-        bx[u][1] = __ldg(xp + 4);
-      } else {
-        bx[u][0] = 0u;
-        bx[u][1] = 0u;
+      for (int u = 0; u < ST; ++u) {
+        bx[u][0] = xv ? __ldg(xp + 8 * u) : 0u;
+        bx[u][1] = xv ? __ldg(xp + 8 * u + 4) : 0u;
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < ST; ++u) {
+        int ju = j + u;  // a stage may cross row tiles (several when CT < ST)
+        ju = p.ct >= ST ? (ju >= p.ct ? ju - p.ct : ju) : ju % p.ct;
+        if (xv && u < nt) {
+          const uint32_t* xp = reinterpret_cast<const uint32_t*>(xrow + ju * 16);
+          bx[u][0] = __ldg(xp);
+          bx[u][1] = __ldg(xp + 4);
+        } else {
+          bx[u][0] = 0u;
+          bx[u][1] = 0u;
+        }
       }
     }
     cp_async_wait<STAGES - 1>();
     __syncwarp();
     const uint32_t* sb = buf + (it % STAGES) * ST * D::W;
-    if (nt == ST && j + ST < p.ct) {
+    if (fast) {
       // common case, a full stage inside one row tile: decode all tiles, then the products
       // (branch-free, so the scheduler can overlap the tiles' table loads)
       uint32_t r[ST][4];

@@ -110,11 +110,11 @@ def fp16_decode_step_time(cfg: dict, batch: int, dtype: torch.dtype, context: in
 
     hf_cfg = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k not in ("architectures",)})
     with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=dtype).eval()
+        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype).eval()
     vocab = architecture.dims(cfg)["vocab"]
-    cache = StaticCache(config=hf_cfg, max_batch_size=batch, max_cache_len=context + 8,
+    cache = StaticCache(config=hf_cfg, max_batch_size=batch, max_cache_len=context + 256,
                         device="cuda", dtype=dtype) if _static_cache_takes_batch() else \
-        StaticCache(config=hf_cfg, max_cache_len=context + 8)
+        StaticCache(config=hf_cfg, max_cache_len=context + 256)
     with torch.no_grad():
         prompt = torch.randint(0, vocab, (batch, context), device="cuda")
         model(input_ids=prompt, past_key_values=cache, use_cache=True,
@@ -138,7 +138,7 @@ def fp16_decode_step_time(cfg: dict, batch: int, dtype: torch.dtype, context: in
                 step()
             run = g.replay
         except Exception as e:  # transformers versions differ in what they allow under capture
-            method = f"eager (graph capture failed: {type(e).__name__})"
+            method = f"eager (graph capture failed: {type(e).__name__}: {str(e)[:200]})"
             torch.cuda.synchronize()
             run = step
         for _ in range(3):
