@@ -308,3 +308,22 @@ def test_compress_on_cuda_matches_cpu_and_loads_on_cuda(tiny_llama_dir, tmp_path
         want = cpu(ids).logits
         got = gpu(ids.cuda()).logits.cpu()
     assert (got - want).norm() / want.norm() < 1e-4
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2", "qwen3"])
+def test_other_architectures(tmp_path, ids, model_type):
+    """Mistral, Qwen2 (q/k/v biases: stored once per fused group) and Qwen3 (q/k norms)."""
+    src = make_tiny_llama(tmp_path / model_type, model_type=model_type, head_dim=16)
+    rep = run_compress(src, tmp_path / "q", scheme="vq-3.0")
+    q = load(tmp_path / "q")
+    stored = shard_tensors(tmp_path / "q")
+    if model_type == "qwen2":
+        assert "model.layers.0.self_attn.qkv_proj.bias" in stored
+    if model_type == "qwen3":
+        assert "model.layers.0.self_attn.q_norm.weight" in stored
+    with torch.no_grad():
+        got, want = q(ids).logits, simulated_model(src, q)(ids).logits
+    assert (got - want).norm() / want.norm() < 1e-3
+    from qpalette.architecture import load_config, unquantized_params
+
+    assert rep["bytes"]["unquantized_modules"] == 2 * sum(unquantized_params(load_config(src)).values())

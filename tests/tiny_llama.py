@@ -5,11 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def make_tiny_llama(path, seed: int = 0, **overrides) -> Path:
-    """2 blocks, hidden 64, MLP 128, 4 heads (2 kv), vocab 257 (256 bytes + <s>). Returns path."""
+def make_tiny_llama(path, seed: int = 0, model_type: str = "llama", **overrides) -> Path:
+    """2 blocks, hidden 64, MLP 128, 4 heads (2 kv), vocab 257 (256 bytes + <s>). Returns path.
+
+    `model_type` llama, mistral, qwen2 (q/k/v biases) or qwen3 (q/k norms) picks the class."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
     path = Path(path)
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
@@ -25,7 +27,13 @@ def make_tiny_llama(path, seed: int = 0, **overrides) -> Path:
                initializer_range=0.1)
     cfg.update(overrides)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**cfg))
+    config = AutoConfig.for_model(model_type, **cfg)
+    model = AutoModelForCausalLM.from_config(config)
+    if model_type == "qwen2":  # biases start at zero: make them matter
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n.endswith("bias"):
+                    p.normal_(0, 0.1)
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
