@@ -19,8 +19,14 @@
 
 namespace qp {
 
-constexpr int NWB = 8;   // warps a block
-constexpr int STAGES = 4;
+// Warps a block and pipeline depth, by the widest tile (words). Measured on H100: 12 warps a
+// block (80 registers, 24 warps an SM) ran no faster than 8 (96 registers, 16 warps an SM) on
+// 14336x4096 and slower on small layers, so 8 for every width.
+template <int WMAX>
+struct Cfg {
+  static constexpr int NWB = 8;
+  static constexpr int STAGES = 4;
+};
 constexpr int ST = 8;    // tiles a stage
 constexpr int MIN_TILES_PER_WARP = 8;
 
@@ -142,6 +148,8 @@ __device__ __noinline__ void flush(const QmmKParams& p, int row, float a0, float
 template <class D, class T, int NW_WORDS_MAX>
 __device__ __forceinline__ void qmm_half(const QmmKParams& p, int half, uint32_t* lut, uint32_t* raw,
                                          const uint32_t* lut_src, uint32_t* stage_base) {
+  constexpr int NWB = Cfg<NW_WORDS_MAX>::NWB;
+  constexpr int STAGES = Cfg<NW_WORDS_MAX>::STAGES;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int gw = blockIdx.x * NWB + warp;
   const bool active = gw < p.nw;
@@ -267,7 +275,7 @@ __device__ __forceinline__ void qmm_half(const QmmKParams& p, int half, uint32_t
 }
 
 template <class DA, class DB, class T>
-__global__ void __launch_bounds__(NWB * 32, 2) qmm_kernel(QmmKParams p) {
+__global__ void __launch_bounds__(Cfg<(DA::W > DB::W ? DA::W : DB::W)>::NWB * 32, 2) qmm_kernel(QmmKParams p) {
   extern __shared__ __align__(16) uint32_t smem[];
   using G = typename DA::G;
   constexpr int WMAX = DA::W > DB::W ? DA::W : DB::W;
@@ -340,7 +348,8 @@ int launch_qmm(const QmmArgs& a, int halves) {
   using G = typename DA::G;
   static_assert(DA::LOG2E == DB::LOG2E, "the two halves share one table");
   constexpr int WMAX = DA::W > DB::W ? DA::W : DB::W;
-  constexpr size_t smem = (G::WORDS + G::E + NWB * STAGES * ST * WMAX) * sizeof(uint32_t);
+  constexpr int NWB = Cfg<WMAX>::NWB;
+  constexpr size_t smem = (G::WORDS + G::E + NWB * Cfg<WMAX>::STAGES * ST * WMAX) * sizeof(uint32_t);
   auto kern = qmm_kernel<DA, DB, T>;
   static int blocks_per_sm[64];  // per device, 0 = not yet queried
   int dev = 0;

@@ -49,8 +49,10 @@ run_profile('$src', [int(b) for b in '${PROFILE_BATCHES:-1,8}'.split(',')], '$OU
       timeout 200 ncu -k regex:qmm_kernel --launch-skip 1 --launch-count ${NCU_COUNT:-2} \
         --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
         --section SchedulerStats --section MemoryWorkloadAnalysis \
+        --metrics smsp__inst_executed.sum,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio \
         python3 scripts/kernel_probe.py ${NCU_ENTRIES:-tcq-2.0 vq-2.0} > "$OUT/ncu.txt" 2>&1
-      grep -E "qmm_kernel|Duration|Throughput|Issued|Eligible|Active Warps|Registers|Stall|Achieved|Block Limit|One or More|No Eligible" "$OUT/ncu.txt" | head -80 ;;
+      grep -E "qmm_kernel|Duration|DRAM Throughput|Issued Warp|Eligible Warps|inst_executed" "$OUT/ncu.txt" | head -20
+      grep -E "issue_stalled" "$OUT/ncu.txt" | sort -k3 -g -r | head -12 ;;
   esac
 done
 echo "=== done at $(( $(date +%s) - T0 )) s"
