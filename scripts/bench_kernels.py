@@ -74,6 +74,8 @@ def main() -> None:
                                  "speedup_vs_fp16": fp16[m] / times[m]})
             print(f"{label:20s} {name:14s} " + " ".join(f"b{m}={times[m] * 1e6:7.2f}us" for m in batches)
                   + f"  (fp16 b1 {fp16[batches[0]] * 1e6:.1f}us)", flush=True)
+        # partial results after every shape (a run cut short keeps what it measured)
+        (out / "bench_kernels.partial.json").write_text(json.dumps({"rows": rows_out}, indent=1))
     rot = {n: kt.time_rotate(n, batches, dtype) for n in sorted({c for _, c in shapes.values()})}
     meta = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
