@@ -108,7 +108,8 @@ def calibrate(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Per-layer sensitivity a_l (linearity theorem, SPEC §4): noise injection + KL fit."""
-    from .calibrate import CalibrateOptions, CalibrationError, calibrate as run, parse_devices
+    from .calibrate import CalibrateOptions, CalibrationError, parse_devices
+    from .calibrate import calibrate as run
     from .models import ModelError
 
     try:
@@ -169,7 +170,8 @@ def plan(
 
       qpalette plan --show plan.json
     """
-    from .plan_command import USER_ERRORS, plan as make
+    from .plan_command import USER_ERRORS
+    from .plan_command import plan as make
     from .plan_report import block_table, layer_table, load_plan, plot_plan, summary, write_plan
 
     try:
@@ -226,7 +228,8 @@ def compress(
     """Rotate and quantize a model block by block into a checkpoint transformers loads
     (after `import qpalette`)."""
     from .checkpoint import CheckpointError
-    from .compress import CompressError, CompressOptions, compress as run
+    from .compress import CompressError, CompressOptions
+    from .compress import compress as run
 
     opts = CompressOptions(model=model, output=output, plan=plan_file, scheme=scheme, fuse=fuse,
                            device=device, resume=resume, overwrite=overwrite, sign_seed=seed,
@@ -311,3 +314,35 @@ def eval_(
 
 if __name__ == "__main__":
     app()
+
+
+@app.command()
+def bench(
+    model: str = typer.Argument(
+        ..., help="Local HF model dir (original or compressed), .gguf/.whl file, or 'smollm2-135m'."
+    ),
+    batch_sizes: str = typer.Option("1,8", "--batch-sizes", help="Comma-separated decode batch sizes."),
+    prompt_len: int = typer.Option(64, "--prompt-len", help="Random prompt tokens per sequence."),
+    gen_len: int = typer.Option(128, "--gen-len", help="Generated tokens per sequence (steps timed)."),
+    device: str = typer.Option("auto", help="auto (cuda if available), cpu, cuda, cuda:N."),
+    compile: bool = typer.Option(True, "--compile/--no-compile", help="torch.compile + CUDA graphs (GPU)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the result to this JSON file."),
+) -> None:
+    """Decode tokens/s with a static KV cache and CUDA graphs: the same harness for FP16 and
+    compressed models."""
+    from .bench import BenchError, BenchOptions
+    from .bench import bench as run
+    from .checkpoint import CheckpointError
+    from .fileio import atomic_write_json
+
+    try:
+        sizes = tuple(int(x) for x in batch_sizes.split(",") if x.strip())
+    except ValueError:
+        fail(f"--batch-sizes {batch_sizes!r}: expected integers like 1,8")
+    try:
+        res = run(BenchOptions(model=model, batch_sizes=sizes, prompt_len=prompt_len, gen_len=gen_len,
+                               device=device, compile=compile), log=typer.echo)
+    except (BenchError, CheckpointError) as e:
+        fail(str(e))
+    if json_out:
+        atomic_write_json(json_out, res)
