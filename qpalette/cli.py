@@ -224,6 +224,10 @@ def compress(
     resume: bool = typer.Option(False, "--resume", help="Continue a killed run (OUTPUT.partial/)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing OUTPUT folder."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    random_codes: bool = typer.Option(
+        False, "--random-codes", hidden=True,
+        help="Speed benchmarks of random-weight models only: random code words, no quantizing.",
+    ),
 ) -> None:
     """Rotate and quantize a model block by block into a checkpoint transformers loads
     (after `import qpalette`)."""
@@ -233,7 +237,7 @@ def compress(
 
     opts = CompressOptions(model=model, output=output, plan=plan_file, scheme=scheme, fuse=fuse,
                            device=device, resume=resume, overwrite=overwrite, sign_seed=seed,
-                           quiet=quiet)
+                           quiet=quiet, random_codes=random_codes)
     try:
         rep = run(opts, log=lambda m: typer.echo(m, err=True))
     except (CompressError, CheckpointError) as e:

@@ -68,6 +68,7 @@ class CompressOptions:
     sign_seed: int = 0
     quiet: bool = False
     stop_after: int | None = None  # tests: stop after this many shards written in this run
+    random_codes: bool = False  # speed benchmarks of random-weight models: skip the quantizer
     extra: dict = field(default_factory=dict)
 
 
@@ -202,9 +203,23 @@ def quantize_matrix(w: torch.Tensor, quantizer: str, signs: torch.Tensor, device
     return {k: v.cpu() for k, v in qm.tensors.items()}
 
 
+def random_matrix_codes(w: torch.Tensor, quantizer: str, seed: int) -> dict[str, torch.Tensor]:
+    """Uniformly random code words (any words are a valid stream) and the row scales of w:
+    the stored tensors of a random-weight model for speed measurements, in seconds not hours."""
+    q = get_quantizer(quantizer)
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, (shape, dtype) in q.tensor_specs(*w.shape).items():
+        if name == "row_scale":
+            out[name] = (w.float().pow(2).mean(1).sqrt() / q.row_target()).to(torch.float16)
+        else:
+            out[name] = torch.randint(-(2**31), 2**31, shape, generator=g, dtype=torch.int64).to(dtype)
+    return out
+
+
 def quantize_block(src: SourceCheckpoint, block: int, layers: list[LayerShape], layout: Layout,
-                   device, half: torch.dtype, on_layer: Callable[[str], None] = lambda n: None
-                   ) -> dict[str, torch.Tensor]:
+                   device, half: torch.dtype, on_layer: Callable[[str], None] = lambda n: None,
+                   random_codes: bool = False) -> dict[str, torch.Tensor]:
     """All stored tensors of one decoder block."""
     prefix = f"model.layers.{block}."
     mine = [l for l in layers if l.block == block]
@@ -223,7 +238,11 @@ def quantize_block(src: SourceCheckpoint, block: int, layers: list[LayerShape], 
         on_layer(gname or l.name)
         w = torch.cat([src.get(f"{m}.weight").float() for m in members])
         target = gname or l.name
-        for k, v in quantize_matrix(w, layout.layers[l.name], signs[l.input_group], device).items():
+        if random_codes:
+            tensors = random_matrix_codes(w, layout.layers[l.name], block * 16 + len(done))
+        else:
+            tensors = quantize_matrix(w, layout.layers[l.name], signs[l.input_group], device)
+        for k, v in tensors.items():
             out[f"{target}.{k}"] = v
         biases = [f"{m}.bias" for m in members if f"{m}.bias" in src.files]
         if biases:
@@ -327,6 +346,7 @@ tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")
 - Tensor bytes: {by['total']:,} (codes + row scales {by['codes_and_row_scales']:,}, sign vectors
   {by['sign_vectors']:,}, codebooks {by['codebooks']:,}, unquantized modules {by['unquantized_modules']:,})
 - Written by qpalette {__version__}; format `qpalette.checkpoint/1` (see qpalette's docs/format.md).
+{"- **Random code words (`--random-codes`): for speed measurements only, the outputs are noise.**" if report.get("random_codes") else ""}
 """
 
 
@@ -370,7 +390,7 @@ def compress(opts: CompressOptions, log: Callable[[str], None] = print) -> dict:
     n_shards = blocks + 1
     fingerprint = hashlib.sha256(json.dumps(
         {"layout": layout.to_config(), "source": src.fingerprint(), "device": device.type,
-         "version": __version__}, sort_keys=True).encode()).hexdigest()[:16]
+         "version": __version__, "random_codes": opts.random_codes}, sort_keys=True).encode()).hexdigest()[:16]
     manifest_path = partial / PROGRESS_FILE
     done: dict[str, dict] = {}
     prior_s = 0.0
@@ -414,7 +434,8 @@ def compress(opts: CompressOptions, log: Callable[[str], None] = print) -> dict:
         else:
             if i < blocks:
                 tensors = quantize_block(src, i, layers, layout, device, half,
-                                         lambda n: bar.set_postfix_str(n.split("layers.")[-1]))
+                                         lambda n: bar.set_postfix_str(n.split("layers.")[-1]),
+                                         opts.random_codes)
             else:
                 tensors = other_tensors(src, cfg, layout, half)
             atomic_write(partial / fname, safetensors_bytes(tensors, metadata={"format": "pt"}))
@@ -445,6 +466,7 @@ def compress(opts: CompressOptions, log: Callable[[str], None] = print) -> dict:
         "peak_cpu_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "resumed": prior_s > 0,
+        "random_codes": opts.random_codes,
     }
     if plan is not None:
         predicted = (plan.get("totals") or {}).get("bytes") or {}
@@ -459,7 +481,7 @@ def compress(opts: CompressOptions, log: Callable[[str], None] = print) -> dict:
     atomic_write_json(partial / "model.safetensors.index.json",
                       {"metadata": {"total_size": bytes_total["total"]}, "weight_map": weight_map})
     new_cfg = json.loads((src_dir / "config.json").read_text())
-    new_cfg["quantization_config"] = layout.to_config()
+    new_cfg["quantization_config"] = layout.to_config({"random_codes": True} if opts.random_codes else None)
     new_cfg["dtype"] = str(half).removeprefix("torch.")
     new_cfg.pop("torch_dtype", None)
     for f in sorted(src_dir.iterdir()):

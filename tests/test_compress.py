@@ -327,3 +327,17 @@ def test_other_architectures(tmp_path, ids, model_type):
     from qpalette.architecture import load_config, unquantized_params
 
     assert rep["bytes"]["unquantized_modules"] == 2 * sum(unquantized_params(load_config(src)).values())
+
+
+def test_random_codes_for_speed_runs(tiny_llama_dir, tmp_path, ids):
+    """--random-codes writes the same tensors (names, shapes, bytes) without quantizing."""
+    run_compress(tiny_llama_dir, tmp_path / "q", scheme="nuq-3")
+    rep = run_compress(tiny_llama_dir, tmp_path / "r", scheme="nuq-3", random_codes=True)
+    a, b = shard_tensors(tmp_path / "q"), shard_tensors(tmp_path / "r")
+    assert {k: (v.shape, v.dtype) for k, v in a.items()} == {k: (v.shape, v.dtype) for k, v in b.items()}
+    assert not torch.equal(a["model.layers.0.mlp.down_proj.codes"], b["model.layers.0.mlp.down_proj.codes"])
+    assert rep["random_codes"] and "Random code words" in (tmp_path / "r" / "README.md").read_text()
+    q = load(tmp_path / "r")
+    assert q.config.quantization_config.random_codes is True
+    with torch.no_grad():
+        assert torch.isfinite(q(ids).logits).all()
