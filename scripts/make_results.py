@@ -1,0 +1,213 @@
+#!/usr/bin/env python3
+"""Regenerate docs/results.md and its plots (docs/results/*.png) from the measured results/.
+
+    python3 scripts/make_results.py [--results results] [--out docs/results.md]
+
+Reads (each section is skipped, saying so, when its input is missing):
+- results/sweep_smollm2/sweep.json      scripts/sweep_smollm2.py (GPU): perplexity, KL, predicted loss
+- results/calibrate_smollm2/validation_gpu.json  scripts/validate_linearity.py: random mixes
+- results/kernels_h100/bench_kernels.json        scripts/bench_kernels.py
+- results/speed_llama8b/*.json           `qpalette bench --json` of FP16 and compressed
+                                         synthetic Llama-3.1-8B models, and their plans
+Numbers are printed as measured; nothing here is estimated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+FAMILY_STYLE = {"tcq": ("TCQ (uniform)", "o-"), "nuq": ("NUQ (uniform)", "s-"), "vq": ("VQ (uniform)", "^-"),
+                "msq": ("MSQ plan (mixed)", "D-")}
+
+
+def load(path: Path):
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def quality(sweep: dict, figdir: Path) -> list[str]:
+    rows = sweep["rows"]
+    fp = next((r for r in rows if r["kind"] == "original"), None)
+    out = ["## (a) Quality: SmolLM2-135M-Instruct, WikiText-2 perplexity vs average bits", ""]
+    out.append(f"Perplexity over all non-overlapping 2048-token windows of `{sweep.get('text', 'WikiText-2')}`; "
+               f"KL = mean KL(original ‖ compressed) on sequences sampled from the original (nats/token); "
+               f"predicted = Σ a_l·err_l from the calibrated sensitivities and the distortion table (SPEC §4). "
+               f"Measured on {sweep.get('device', '?')} with `scripts/sweep_smollm2.py` ({rows[0].get('dtype', '?')}).")
+    out += ["", "| configuration | avg bits | perplexity | vs original | KL | predicted loss |", "|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["kind"] != "original", r.get("family", r["kind"]), r["avg_bits"])):
+        rel = f"{100 * (r['ppl'] / fp['ppl'] - 1):+.1f}%" if fp else "–"
+        pred = "–" if r.get("predicted_loss") is None else f"{r['predicted_loss']:.3f}"
+        out.append(f"| {r['name']} | {r['avg_bits']:.2f} | {r['ppl']:.2f} | {rel} | {r['kl']:.3f} | {pred} |")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for fam, (label, style) in FAMILY_STYLE.items():
+        pts = sorted((r["avg_bits"], r["ppl"]) for r in rows if r.get("family") == fam)
+        if pts:
+            ax.plot(*zip(*pts), style, label=label)
+    for r in rows:
+        if r["kind"] == "rtn":
+            ax.plot(r["avg_bits"], r["ppl"], "k*", ms=12, label=f"RTN 4-bit g128 ({r['avg_bits']:.2f} bits)")
+    if fp:
+        ax.axhline(fp["ppl"], color="gray", ls="--", label=f"original ({fp['ppl']:.2f})")
+    ax.set(xlabel="average bits per weight (quantized linear layers)", ylabel="WikiText-2 perplexity", yscale="log",
+           title="SmolLM2-135M-Instruct")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(figdir / "quality_smollm2.png", dpi=120)
+    plt.close(fig)
+    out += ["", "![perplexity vs bits](results/quality_smollm2.png)", ""]
+    return out
+
+
+def linearity(validation: dict | None, sweep: dict | None, figdir: Path) -> list[str]:
+    out = ["## (b) Predicted vs measured loss (linearity theorem)", ""]
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    pts = []
+    if validation:
+        xs = [m["predicted_kl"][0] for m in validation["mixes"]]
+        ys = [m["measured_kl"] for m in validation["mixes"]]
+        ax.plot(xs, ys, "o", label="random layer mixes (validate_linearity.py)")
+        pts += list(zip(xs, ys))
+        s = validation["summary"][0]
+        out.append(f"Random mixes of NUQ/VQ/TCQ over 10–100% of the layers: Pearson {s['pearson']:.3f}, "
+                   f"Spearman {s['spearman']:.3f}, median measured/predicted {s['median_ratio_measured_over_predicted']:.3f} "
+                   f"(`results/calibrate_smollm2/validation_gpu.json`).")
+    if sweep:
+        rows = [r for r in sweep["rows"] if r.get("predicted_loss") and r["kind"] in ("uniform", "msq")]
+        for fam, (label, style) in FAMILY_STYLE.items():
+            sel = [(r["predicted_loss"], r["kl"]) for r in rows if r.get("family") == fam]
+            if sel:
+                ax.plot(*zip(*sel), style[0], label=label)
+                pts += sel
+        out.append("Sweep configurations: measured KL vs predicted loss in the plot (points on the diagonal "
+                   "mean the additive model holds).")
+    if not pts:
+        plt.close(fig)
+        return out + ["(no data)", ""]
+    hi = max(max(p) for p in pts) * 1.1
+    ax.plot([0, hi], [0, hi], "k--", lw=1, label="measured = predicted")
+    ax.set(xlabel="predicted Δloss (nats/token)", ylabel="measured KL (nats/token)", xscale="log", yscale="log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(figdir / "linearity_smollm2.png", dpi=120)
+    plt.close(fig)
+    return out + ["", "![predicted vs measured](results/linearity_smollm2.png)", ""]
+
+
+def kernels(bench: dict, figdir: Path) -> list[str]:
+    meta, rows = bench["meta"], bench["rows"]
+    bw = meta["copy_bandwidth_Bps"]
+    out = ["## (c) Kernel speed vs FP16 and the bandwidth roofline", "",
+           f"{meta['device']}, {meta['dtype']} activations, {meta['method']}; copy bandwidth {bw / 1e12:.2f} TB/s. "
+           "Full table: `results/kernels_h100/bench_kernels.md`.", ""]
+    shapes = sorted({r["shape"] for r in rows}, key=lambda s: [r["rows"] * r["cols"] for r in rows if r["shape"] == s][0])
+    big = shapes[-2:] if len(shapes) > 1 else shapes
+    fig, axes = plt.subplots(1, len(big), figsize=(6 * len(big), 4.2), squeeze=False)
+    for ax, shape in zip(axes[0], big):
+        sel = [r for r in rows if r["shape"] == shape and r["batch"] == 1]
+        fp = next((r for r in sel if r["entry"] == "fp16"), None)
+        for fam, (label, style) in FAMILY_STYLE.items():
+            pts = sorted((r["bits"], r["us"]) for r in sel if r["entry"].rsplit("-", 1)[0] == fam)
+            if pts:
+                ax.plot(*zip(*pts), style, label=label.replace(" (uniform)", ""))
+        half = sorted((r["bits"], r["us"]) for r in sel if r["entry"].startswith("half-tcq"))
+        if half:
+            ax.plot(*zip(*half), "x-", label="half-TCQ")
+        qs = sorted((r["bits"], r["bytes"] / bw * 1e6) for r in sel if r["entry"] != "fp16")
+        ax.plot(*zip(*qs), "k:", label="roofline (bytes / copy bw)")
+        if fp:
+            ax.axhline(fp["us"], color="gray", ls="--", label=f"FP16 cuBLAS {fp['us']:.1f} µs")
+        ax.set(xlabel="bits per weight", ylabel="µs per call (batch 1)", title=shape)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(figdir / "kernels_h100.png", dpi=120)
+    plt.close(fig)
+    out += ["![kernel time vs bits](results/kernels_h100.png)", "",
+            "| shape | entry | b1 µs | b8 µs | FP16 b1 µs | speed-up b1 | roofline b1 |", "|---|---|---|---|---|---|---|"]
+    for shape in shapes:
+        fp = next((r for r in rows if r["shape"] == shape and r["entry"] == "fp16" and r["batch"] == 1), None)
+        for entry in ("tcq-2.0", "tcq-3.0", "tcq-4.0", "nuq-4", "vq-4.0", "half-tcq-3.25"):
+            b1 = next((r for r in rows if r["shape"] == shape and r["entry"] == entry and r["batch"] == 1), None)
+            b8 = next((r for r in rows if r["shape"] == shape and r["entry"] == entry and r["batch"] == 8), None)
+            if b1 and fp:
+                out.append(f"| {shape} | {entry} | {b1['us']:.1f} | {b8['us']:.1f} | {fp['us']:.1f} | "
+                           f"{fp['us'] / b1['us']:.2f}× | {100 * b1['roofline_fraction']:.0f}% |")
+    return out + [""]
+
+
+def speed(folder: Path, figdir: Path) -> list[str]:
+    out = ["## (d) Decode speed: Llama-3.1-8B shapes (random weights), `qpalette bench`", ""]
+    runs = {p.stem: load(p) for p in sorted(folder.glob("bench_*.json"))}
+    plans = {p.stem.removeprefix("plan_"): load(p) for p in sorted(folder.glob("plan_*.json"))}
+    fp = runs.get("bench_fp16")
+    if not runs or not fp:
+        return out + ["(no data)", ""]
+    first = next(iter(runs.values()))
+    out.append(f"{first['device']}, {first['dtype']}, static KV cache, torch.compile + CUDA graphs "
+               f"= {first['compiled']}, prompt {first['prompt_len']} tokens, {first['gen_len']} generated; "
+               "median decode step. Same harness for FP16 and compressed checkpoints (compressed with "
+               "`--random-codes`: speed does not depend on code values).")
+    out += ["", "| model | plan | batch | tok/s per sequence | throughput tok/s | × FP16 | planned tok/s | measured / planned |",
+            "|---|---|---|---|---|---|---|---|"]
+    fp_rows = {r["batch_size"]: r for r in fp["rows"]}
+    labels, b1s, b8s = [], [], []
+    for name, res in runs.items():
+        key = name.removeprefix("bench_")
+        plan = plans.get(key)
+        for r in res["rows"]:
+            b = r["batch_size"]
+            ratio = r["tok_per_s"] / fp_rows[b]["tok_per_s"] if b in fp_rows else float("nan")
+            planned = (plan or {}).get("totals", {}).get("tok_per_s") if plan and plan.get("options", {}).get("batch_size", 1) == b else None
+            budget = ", ".join(x["text"] for x in plan["budgets"]) if plan else "–"
+            tps = r["tok_per_s"]
+            plan_txt = "– | –" if planned is None else f"{planned:.1f} | {tps / planned:.2f}"
+            out.append(f"| {key} | {budget} | {b} | {tps:.1f} | {r['throughput_tok_per_s']:.1f} | {ratio:.2f}× | "
+                       f"{plan_txt} |")
+        rows = {r["batch_size"]: r for r in res["rows"]}
+        labels.append(key)
+        b1s.append(rows.get(1, {}).get("tok_per_s", 0))
+        b8s.append(rows.get(8, {}).get("throughput_tok_per_s", 0))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, vals, title in ((axes[0], b1s, "batch 1: tok/s"), (axes[1], b8s, "batch 8: total tok/s")):
+        ax.bar(labels, vals, color=["gray" if lab == "fp16" else "C0" for lab in labels])
+        ax.set(title=title)
+        ax.tick_params(axis="x", rotation=30)
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(figdir / "decode_llama8b.png", dpi=120)
+    plt.close(fig)
+    return out + ["", "![decode speed](results/decode_llama8b.png)", ""]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--results", type=Path, default=Path("results"))
+    ap.add_argument("--out", type=Path, default=Path("docs/results.md"))
+    args = ap.parse_args()
+    figdir = args.out.parent / "results"
+    figdir.mkdir(parents=True, exist_ok=True)
+    res = args.results
+    sweep = load(res / "sweep_smollm2" / "sweep.json")
+    validation = load(res / "calibrate_smollm2" / "validation_gpu.json")
+    bench = load(res / "kernels_h100" / "bench_kernels.json")
+    lines = ["# qpalette results", "",
+             "Generated by `python3 scripts/make_results.py` from the files in `results/`; every number "
+             "below was measured by the script named in its section.", ""]
+    lines += quality(sweep, figdir) if sweep else ["## (a) Quality", "", "(no sweep results yet)", ""]
+    lines += linearity(validation, sweep, figdir)
+    lines += kernels(bench, figdir) if bench else ["## (c) Kernels", "", "(no kernel benchmark yet)", ""]
+    lines += speed(res / "speed_llama8b", figdir)
+    args.out.write_text("\n".join(lines) + "\n")
+    print(f"wrote {args.out} and plots in {figdir}")
+
+
+if __name__ == "__main__":
+    main()
