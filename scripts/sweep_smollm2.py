@@ -57,6 +57,7 @@ def main() -> None:
     ap.add_argument("--kl-seqs", type=int, default=32)
     ap.add_argument("--kl-len", type=int, default=512)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--keep", default="", help="Comma list of configurations whose checkpoint to keep in --work.")
     args = ap.parse_args()
 
     import qpalette  # noqa: F401  (registers the checkpoint format)
@@ -127,7 +128,8 @@ def main() -> None:
                        avg_bits=rep["avg_bits"], bytes=rep["bytes"]["total"],
                        predicted_loss=predicted_loss(sens, layers), compress_s=round(compress_s, 1),
                        **measure(m))
-            shutil.rmtree(out, ignore_errors=True)
+            if name not in args.keep.split(","):
+                shutil.rmtree(out, ignore_errors=True)
         del m
         torch.cuda.empty_cache() if device.type == "cuda" else None
         print(json.dumps(row), flush=True)
