@@ -27,8 +27,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    import qpalette
     from transformers import AutoTokenizer
+
+    import qpalette
 
     tok = AutoTokenizer.from_pretrained(args.model)
     cpu = qpalette.from_pretrained(args.model, device="cpu")

@@ -41,7 +41,7 @@ B)
     cp /tmp/sweep.json "$OUT/"
     ;;
 C)
-    timeout 330 $SWEEP
+    timeout 330 $SWEEP --only msq-2.5,msq-3.0,msq-3.5,msq-4.0
     cp /tmp/sweep.json "$OUT/"
     bench8 4bit; bench8 speed120
     ;;
