@@ -316,10 +316,6 @@ def eval_(
         typer.echo(f"wrote {json_out}")
 
 
-if __name__ == "__main__":
-    app()
-
-
 @app.command()
 def bench(
     model: str = typer.Argument(
@@ -350,3 +346,7 @@ def bench(
         fail(str(e))
     if json_out:
         atomic_write_json(json_out, res)
+
+
+if __name__ == "__main__":
+    app()

@@ -18,7 +18,7 @@ exec > >(tee -a "$OUT/log_results_$1.txt") 2>&1
 QP="python3 -m qpalette.cli"
 S8=results/speed_llama8b
 bench8() { $QP bench /tmp/syn8b${1:+_$1} --batch-sizes 1,8 --prompt-len 32 --gen-len 64 --json "$OUT/bench_${1:-fp16}.json"; }
-SWEEP="python3 scripts/sweep_smollm2.py --model /tmp/qpcache/smollm2-135m-instruct --text /tmp/wikitext2.txt
+SWEEP="python3 scripts/sweep_smollm2.py --model /tmp/qpcache/gguf-qp_model --text /tmp/wikitext2.txt
   --sens results/calibrate_smollm2/sens_gpu_8k_seed0.json --plans results/sweep_smollm2/plans
   --out /tmp/sweep.json --dtype float16 --resume"
 case "$1" in
