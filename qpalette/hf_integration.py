@@ -114,4 +114,8 @@ def from_pretrained(path: str | Path, device: str | torch.device | None = None,
     method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
     if method != QUANT_METHOD:
         raise CheckpointError(f"{path} is not a qpalette checkpoint (quant_method {method!r})")
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    if device.type == "cuda":  # allocate the kernels' tables and workspace before any compile
+        with torch.no_grad():
+            model(torch.zeros(1, 1, dtype=torch.long, device=device))
+    return model

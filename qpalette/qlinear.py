@@ -73,6 +73,7 @@ class InputRotation(_CallCache, nn.Module):
         return mod
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops.prepare(x)
         return self._cached(x, lambda t: ops.rotate(t, self.signs))
 
 
@@ -110,6 +111,7 @@ class QuantizedLinear(_CallCache, _KeepsFp16):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.rotation is None:
             raise RuntimeError("QuantizedLinear has no InputRotation attached")
+        ops.prepare(x, self.quantizer.name, self.out_features)
         y = ops.quantized_matmul(self.rotation(x), self.quantizer.name, self.stored_tensors(),
                                  (self.out_features, self.in_features))
         if self.bias is not None:

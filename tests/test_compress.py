@@ -341,3 +341,22 @@ def test_random_codes_for_speed_runs(tiny_llama_dir, tmp_path, ids):
     assert q.config.quantization_config.random_codes is True
     with torch.no_grad():
         assert torch.isfinite(q(ids).logits).all()
+
+
+@pytest.mark.gpu
+def test_greedy_text_same_on_kernels_and_reference_and_compiled(tiny_llama_dir, tmp_path):
+    """The CUDA kernels (fp16) generate the CPU reference's greedy tokens, eager and compiled
+    with a static cache (torch.compile, CUDA graphs)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    run_compress(tiny_llama_dir, tmp_path / "q", scheme="tcq-3.0", device="cuda")
+    cpu = qpalette.from_pretrained(tmp_path / "q", device="cpu")
+    gpu = qpalette.from_pretrained(tmp_path / "q", device="cuda", dtype=torch.float16)
+    ids = torch.tensor([[256, 72, 101, 108, 108, 111]])
+    kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    with torch.no_grad():
+        ref = cpu.generate(ids, **kw)
+        eager = gpu.generate(ids.cuda(), **kw, disable_compile=True).cpu()
+        compiled = gpu.generate(ids.cuda(), **kw, cache_implementation="static").cpu()
+        again = gpu.generate(ids.cuda(), **kw, cache_implementation="static").cpu()
+    assert torch.equal(eager, ref) and torch.equal(compiled, ref) and torch.equal(again, ref)
