@@ -11,9 +11,8 @@ QP="python3 -m qpalette.cli"
 S8=results/speed_llama8b
 timeout 150 python3 -m pytest -q -m gpu tests/test_compress.py -p no:cacheprovider 2>&1 | tail -4
 python3 scripts/make_synthetic_model.py /tmp/syn8b --config llama-3.1-8b | tail -1
-for p in 2bit speed120; do
-    $QP compress /tmp/syn8b --plan $S8/plan_$p.json --random-codes -o /tmp/syn8b_$p -q | head -1
-done
+$QP compress /tmp/syn8b --plan $S8/plan_2bit.json --random-codes -o /tmp/syn8b_2bit -q | head -1
 $QP bench /tmp/syn8b --batch-sizes 1,8 --prompt-len 16 --gen-len 32 --json "$OUT/bench_fp16.json"
 $QP bench /tmp/syn8b_2bit --batch-sizes 1,8 --prompt-len 16 --gen-len 32 --json "$OUT/bench_2bit.json"
+$QP compress /tmp/syn8b --plan $S8/plan_speed120.json --random-codes -o /tmp/syn8b_speed120 -q | head -1
 $QP bench /tmp/syn8b_speed120 --batch-sizes 1 --prompt-len 16 --gen-len 32 --json "$OUT/bench_speed120.json"
