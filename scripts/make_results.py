@@ -187,6 +187,39 @@ def speed(folder: Path, figdir: Path) -> list[str]:
     return out + ["", "![decode speed](results/decode_llama8b.png)", ""]
 
 
+def targets(sweep: dict | None, folder: Path) -> list[str]:
+    """Issue 7's targets, checked against the measured numbers (or said to be unmeasured)."""
+    out = ["## Targets", "", "| target | measured | met |", "|---|---|---|"]
+    if sweep:
+        ppl = {r["name"]: r["ppl"] for r in sweep["rows"]}
+        for b in ("3.0", "4.0"):
+            names = (f"msq-{b}", f"tcq-{b}", f"nuq-{int(float(b))}")
+            if all(n in ppl for n in names):
+                vals = [ppl[n] for n in names]
+                out.append(f"| {b} bits: MSQ ≤ uniform TCQ ≤ uniform NUQ perplexity | "
+                           f"{' ≤ '.join(f'{v:.2f}' for v in vals)} | {'yes' if vals == sorted(vals) else 'no'} |")
+        if "msq-4.0" in ppl and "fp" in ppl:
+            rel = ppl["msq-4.0"] / ppl["fp"] - 1
+            out.append(f"| 4-bit MSQ within 3% of FP16 perplexity | {100 * rel:+.1f}% | {'yes' if rel <= 0.03 else 'no'} |")
+    runs = {p.stem.removeprefix("bench_"): load(p) for p in sorted(folder.glob("bench_*.json"))}
+    fp1 = next((r["tok_per_s"] for r in (runs.get("fp16") or {}).get("rows", []) if r["batch_size"] == 1), None)
+    for key, need in (("2bit", 3.0), ("4bit", 2.0)):
+        got = next((r["tok_per_s"] for r in (runs.get(key) or {}).get("rows", []) if r["batch_size"] == 1), None)
+        if got and fp1:
+            out.append(f"| {key} plan ≥ {need:.1f}× FP16 decode tok/s (batch 1) | {got / fp1:.2f}× | "
+                       f"{'yes' if got / fp1 >= need else 'no'} |")
+        else:
+            out.append(f"| {key} plan ≥ {need:.1f}× FP16 decode tok/s (batch 1) | not measured | – |")
+    for key, res in runs.items():
+        plan = load(folder / f"plan_{key}.json")
+        row = next((r for r in (res or {}).get("rows", []) if r["batch_size"] == 1), None)
+        if plan and row and plan["totals"].get("tok_per_s"):
+            ratio = row["tok_per_s"] / plan["totals"]["tok_per_s"]
+            out.append(f"| plan {key} lands within 10% of its planned tok/s | {ratio:.2f} of "
+                       f"{plan['totals']['tok_per_s']:.1f} | {'yes' if abs(ratio - 1) <= 0.1 else 'no'} |")
+    return out + [""]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", type=Path, default=Path("results"))
@@ -205,6 +238,7 @@ def main() -> None:
     lines += linearity(validation, sweep, figdir)
     lines += kernels(bench, figdir) if bench else ["## (c) Kernels", "", "(no kernel benchmark yet)", ""]
     lines += speed(res / "speed_llama8b", figdir)
+    lines += targets(sweep, res / "speed_llama8b")
     args.out.write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out} and plots in {figdir}")
 
