@@ -348,5 +348,38 @@ def bench(
         atomic_write_json(json_out, res)
 
 
+@app.command()
+def profile(
+    model: str = typer.Argument(
+        ..., help="Local HF model dir or config.json (only the shapes are used), or 'smollm2-135m'."
+    ),
+    batch_sizes: str = typer.Option("1,8", "--batch-sizes", help="Comma-separated decode batch sizes."),
+    output: Path = typer.Option(Path("."), "--output", "-o", help="Folder for the latency JSON files."),
+    palette: Optional[str] = typer.Option(None, "--palette", "-p", help="Only these entries (comma list)."),
+    dtype: str = typer.Option("float16", help="Activation dtype: float16 or bfloat16."),
+    constant: bool = typer.Option(True, "--constant/--no-constant",
+                                  help="Also measure the per-token overhead outside the linear layers."),
+    name: Optional[str] = typer.Option(None, help="Model name recorded in the profile."),
+) -> None:
+    """Measure this GPU's kernel latency for every fusion group shape × palette entry × batch size
+    the model needs (plus the constant per-token overhead) into profiles `qpalette plan` reads."""
+    from .palette import UnknownQuantizer, get_quantizer
+    from .profile_command import run_profile
+
+    try:
+        sizes = [int(x) for x in batch_sizes.split(",") if x.strip()]
+        entries = [get_quantizer(e).name for e in palette.split(",")] if palette else None
+    except (ValueError, UnknownQuantizer) as e:
+        fail(f"bad option: {e}")
+    if dtype not in ("float16", "bfloat16"):
+        fail("--dtype must be float16 or bfloat16")
+    try:
+        paths = run_profile(model, sizes, output, entries, dtype, constant, name, say=lambda m: typer.echo(m, err=True))
+    except (RuntimeError, FileNotFoundError, ValueError) as e:
+        fail(str(e))
+    for p in paths:
+        typer.echo(f"wrote {p}")
+
+
 if __name__ == "__main__":
     app()

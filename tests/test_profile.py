@@ -23,3 +23,19 @@ def test_group_shapes_llama31_8b():
 def test_profile_needs_cuda(tmp_path):
     with pytest.raises(RuntimeError, match="CUDA"):
         run_profile(str(LLAMA), [1], tmp_path)
+
+
+def test_profile_cli_without_gpu_is_a_message(tiny_llama_dir):
+    import torch
+    from typer.testing import CliRunner
+
+    from qpalette.cli import app
+
+    if torch.cuda.is_available():
+        import pytest
+
+        pytest.skip("has a GPU")
+    res = CliRunner().invoke(app, ["profile", str(tiny_llama_dir), "--batch-sizes", "1"])
+    assert res.exit_code == 2 and "no CUDA device" in res.output and "Traceback" not in res.output
+    res = CliRunner().invoke(app, ["profile", str(tiny_llama_dir), "--palette", "tcq-9"])
+    assert res.exit_code == 2 and "unknown quantizer" in res.output
