@@ -43,6 +43,20 @@ def pack_codes(codes: torch.Tensor, width: int) -> torch.Tensor:
     return pack_bits(to_bits(codes, width))
 
 
+def read_fields(words: torch.Tensor, offsets: torch.Tensor, width: int) -> torch.Tensor:
+    """(..., w) int32 words → (..., n) int64: the `width`-bit field (≤ 32) starting at each bit
+    offset, MSB first, reading circularly (a field past the last word continues in word 0).
+
+    Works on two words at a time instead of one byte per bit: the reference decode's fast path."""
+    u = words.to(torch.int64) & 0xFFFFFFFF
+    first = offsets // 32
+    hi = u[..., first]
+    lo = u[..., (first + 1) % words.shape[-1]]
+    window = (hi << 32) | lo  # stream bits 32·first … 32·first + 63, bit 63 first
+    return (window >> (64 - offsets % 32 - width)) & ((1 << width) - 1)
+
+
 def unpack_codes(words: torch.Tensor, width: int) -> torch.Tensor:
     """Inverse of `pack_codes`."""
-    return from_bits(unpack_bits(words), width)
+    n = words.shape[-1] * 32 // width
+    return read_fields(words, torch.arange(n, device=words.device) * width, width)

@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from .bitpack import from_bits, to_bits
+from .bitpack import from_bits, read_fields, to_bits
 
 STATE_BITS = 16
 NUM_STATES = 1 << STATE_BITS
@@ -128,3 +128,10 @@ def stream_to_states(bits: torch.Tensor, kv: int) -> torch.Tensor:
     )
     window = bits[:, offsets % length]  # (N, 128, 16)
     return from_bits(window.reshape(bits.shape[0], STEPS * STATE_BITS), STATE_BITS)
+
+
+def words_to_states(words: torch.Tensor, kv: int) -> torch.Tensor:
+    """(N, 4·kv) int32 code words → (N, 128) states; equals stream_to_states(unpack_bits(words))
+    without expanding every bit."""
+    offsets = torch.arange(STEPS, device=words.device) * kv
+    return read_fields(words, offsets, STATE_BITS)

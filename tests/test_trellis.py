@@ -13,6 +13,7 @@ from qpalette.trellis import (
     quantize_tiles,
     state_values,
     stream_to_states,
+    words_to_states,
 )
 
 KVS = list(range(2, 11))  # TCQ 1.0 ... 5.0 bits
@@ -98,3 +99,20 @@ def test_viterbi_same_on_cpu_and_device(device):
     b = q.quantize(w.to(device))
     ha, hb = q.dequantize(a), q.dequantize(b).cpu()
     assert torch.allclose(ha, hb, atol=1e-6) or (ha - hb).abs().gt(1e-6).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("kv", range(2, 11))
+def test_words_to_states_equals_the_bitwise_reading(kv):
+    """The fast word-level decode reads the same circular 16-bit windows as the bit stream."""
+    g = torch.Generator().manual_seed(kv)
+    words = torch.randint(-(2**31), 2**31, (7, 4 * kv), generator=g, dtype=torch.int64).to(torch.int32)
+    assert torch.equal(words_to_states(words, kv), stream_to_states(unpack_bits(words), kv))
+
+
+@pytest.mark.parametrize("width", [2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])
+def test_unpack_codes_equals_the_bitwise_reading(width):
+    from qpalette.bitpack import from_bits, unpack_codes
+
+    g = torch.Generator().manual_seed(width)
+    words = torch.randint(-(2**31), 2**31, (3, 5, 8 * width), generator=g, dtype=torch.int64).to(torch.int32)
+    assert torch.equal(unpack_codes(words, width), from_bits(unpack_bits(words), width))

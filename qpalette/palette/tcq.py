@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from ..bitpack import pack_bits, unpack_bits
+from ..bitpack import pack_bits
 from ..codebooks import codebook
 from ..tiles import TILE, UnsupportedShape, from_tiles, to_tiles
-from ..trellis import lut_bits, paths_to_stream, quantize_tiles, state_values, stream_to_states
+from ..trellis import lut_bits, paths_to_stream, quantize_tiles, state_values, words_to_states
 from .base import Quantizer
 
 ROW_RMS_FRACTION = 0.9  # rows scaled to 0.9 × RMS(LUT) (SPEC §2)
@@ -40,7 +40,7 @@ class TCQ(Quantizer):
 
     def decode(self, tensors: dict[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
         codes = tensors["codes"]
-        states = stream_to_states(unpack_bits(codes.reshape(-1, codes.shape[-1])), self.kv)
+        states = words_to_states(codes.reshape(-1, codes.shape[-1]), self.kv)
         vals = state_values(self.table(codes.device))[states]
         return from_tiles(vals.reshape(*codes.shape[:-1], -1))
 
