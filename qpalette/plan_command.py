@@ -25,13 +25,15 @@ from .budget import Budget, BudgetError, parse_budgets
 from .palette import FAMILIES, UnknownQuantizer, get_quantizer, palette_entries
 from .plan_inputs import (
     InputError,
+    find_shipped_profile,
     load_distortion,
     load_latency,
     load_sensitivity,
     sha256_file,
+    shipped_latency_profiles,
 )
-from .planner import PlanError, build_problem, solve
 from .plan_report import PlanFileError, make_plan
+from .planner import PlanError, build_problem, check_latency_profile, solve
 
 USER_ERRORS = (ArchitectureError, BudgetError, InputError, PlanError, PlanFileError, UnknownQuantizer)
 
@@ -188,7 +190,16 @@ def plan(
     speed = any(b.kind == "latency" for b in budgets)
     prof = load_latency(latency_profile) if latency_profile else None
     if speed and prof is None:
-        raise InputError("a speed budget (tok/s or ms) needs --latency-profile PROFILE.json")
+        prof = find_shipped_profile(mi.layers, batch_size, check_latency_profile)
+        if prof is None:
+            shipped = ", ".join(p.name for p in shipped_latency_profiles()) or "none"
+            raise InputError(
+                "a speed budget (tok/s or ms) needs a latency profile for this model's shapes at "
+                f"batch {batch_size or 1}: measure one with `qpalette profile MODEL` on your GPU and "
+                f"pass --latency-profile (shipped: {shipped})"
+            )
+        notes.append(f"latency profile: the shipped {Path(prof.path).name} ({prof.device}), "
+                     "chosen because its shapes match; pass --latency-profile to use your own GPU's")
     if prof is not None:
         if batch_size is not None and batch_size != prof.batch_size:
             raise InputError(

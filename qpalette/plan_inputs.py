@@ -183,3 +183,25 @@ def load_distortion(path: str | Path | None = None) -> DistortionTable:
     if not rows:
         raise InputError(f"{p}: no rows")
     return DistortionTable(str(p), sha256_file(p), rows)
+
+
+def shipped_latency_profiles() -> list[Path]:
+    """The measured profiles shipped in profiles/ (`<gpu>_latency_<model>_b<batch>.json`)."""
+    from .codebooks import profiles_dir
+
+    return sorted(profiles_dir().glob("*_latency_*_b*.json"))
+
+
+def find_shipped_profile(layers, batch_size: int | None, check) -> LatencyProfile | None:
+    """The first shipped profile whose group shapes fit the model (`check` raises InputError
+    when they do not) at the batch size asked for (default 1); None if there is none."""
+    for path in shipped_latency_profiles():
+        prof = load_latency(path)
+        if prof.batch_size != (batch_size or 1) or not prof.shapes:
+            continue
+        try:
+            check(prof, layers)
+        except InputError:
+            continue
+        return prof
+    return None

@@ -98,7 +98,7 @@ def test_cli_byte_budget_is_met(tmp_path):
         (["plan", MODEL, "-b", "0.5bits", "-s", SENS], "smallest feasible is 1 bits"),
         (["plan", MODEL, "-b", "1GB", "-s", SENS], "smallest feasible is 2.977"),
         (["plan", MODEL, "-b", "400tok/s", "-s", SENS, "-l", LAT], "fastest feasible is 270"),
-        (["plan", MODEL, "-b", "200tok/s", "-s", SENS], "needs --latency-profile"),
+        (["plan", MODEL, "-b", "200tok/s", "-s", SENS, "--batch-size", "4"], "measure one with `qpalette profile"),
         (["plan", MODEL, "-b", "3bits"], "needs sensitivity"),
         (["plan", MODEL, "-b", "3bits", "-s", SENS, "-p", "tcq-9"], "unknown quantizer"),
         (["plan", MODEL, "-b", "200tok/s", "-s", SENS, "-l", LAT, "-p", "tcq-1"], "no latencies for tcq-1.0"),
@@ -179,3 +179,22 @@ def test_smollm2_135m_config_plan(tmp_path):
 def load_config_from(d, cfg):
     (d / "config.json").write_text(json.dumps(cfg))
     return load_config(d)
+
+
+def test_speed_budget_without_profile_uses_a_matching_shipped_one(tmp_path):
+    """SmolLM2 shapes (from its sensitivity file) → the shipped H100 profile of that batch size."""
+    sens = str(Path(__file__).resolve().parents[1] / "results" / "calibrate_smollm2" / "sens_gpu_8k_seed0.json")
+    for bs in (None, 8):
+        p = plan(None, ["150tok/s"], sensitivity=sens, batch_size=bs)
+        src = p["provenance"]["latency_profile"]
+        assert src["path"].endswith(f"h100_latency_smollm2-135m_b{bs or 1}.json")
+        assert any("shipped" in n for n in p["notes"])
+        assert p["totals"]["tok_per_s"] >= 150 * (1 - 1e-6)
+
+
+def test_speed_budget_without_any_matching_profile_says_how_to_get_one(tiny_llama_dir, tmp_path):
+    from test_compress import fake_sensitivity
+
+    sens = fake_sensitivity(tiny_llama_dir, tmp_path / "s.json")
+    with pytest.raises(InputError, match="qpalette profile"):
+        plan(str(tiny_llama_dir), ["200tok/s"], sensitivity=str(sens))
