@@ -19,6 +19,8 @@ from typing import Callable
 
 import torch
 
+from .devices import resolve_device
+
 
 class BenchError(Exception):
     pass
@@ -82,12 +84,7 @@ def decode_step_times(model, batch: int, prompt_len: int, gen_len: int, compile:
 def bench(opts: BenchOptions, log: Callable[[str], None] = print) -> dict:
     from .models import ModelError, resolve_model
 
-    if opts.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(opts.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise BenchError("--device cuda asked for, but no CUDA GPU is visible")
+    device = resolve_device(opts.device, BenchError)
     if min(opts.batch_sizes) < 1 or opts.prompt_len < 1 or opts.gen_len < 4:
         raise BenchError("batch sizes and prompt length must be ≥ 1 and --gen-len ≥ 4")
     try:

@@ -32,11 +32,14 @@ from .architecture import (
     linear_layers,
     load_config,
 )
-from .checkpoint import GROUP_MODULES, Layout, group_key, parent_and_attr, sign_seed
+from .checkpoint import CODEBOOKS_MODULE, GROUP_MODULES, Layout, group_key, parent_and_attr, sign_seed
+from .codebooks import codebook
+from .devices import resolve_device
 from .fileio import atomic_write, atomic_write_json, read_json_object
 from .hadamard import UnsupportedHadamardSize, decompose
 from .incoherence import pack_signs, random_signs, rotate_weight
 from .palette import UnknownQuantizer, get_quantizer
+from .qlinear import buffer_name
 from .tiles import UnsupportedShape
 
 PROGRESS_FORMAT = "qpalette.compress-progress/1"
@@ -258,10 +261,6 @@ def quantize_block(src: SourceCheckpoint, block: int, layers: list[LayerShape], 
 
 def other_tensors(src: SourceCheckpoint, cfg: dict, layout: Layout, half: torch.dtype) -> dict[str, torch.Tensor]:
     """Embeddings, final norm, lm_head (unless tied) in 16-bit, and the codebooks (fp16)."""
-    from .checkpoint import CODEBOOKS_MODULE
-    from .codebooks import codebook
-    from .qlinear import buffer_name
-
     out = {}
     for name in src.files:
         if name.startswith("model.layers."):
@@ -281,8 +280,6 @@ def tensor_bytes(tensors: dict[str, torch.Tensor]) -> int:
 
 def byte_breakdown(shard_tensors: dict[str, torch.Tensor], layout: Layout) -> dict[str, int]:
     """Bytes by the plan's accounting categories (docs/format.md)."""
-    from .checkpoint import CODEBOOKS_MODULE
-
     quantized_modules = set(layout.groups) | {n for n in layout.layers if not layout.group_of(n)}
     cats = {"codes_and_row_scales": 0, "sign_vectors": 0, "codebooks": 0, "unquantized_modules": 0}
     for name, t in shard_tensors.items():
@@ -301,15 +298,6 @@ def byte_breakdown(shard_tensors: dict[str, torch.Tensor], layout: Layout) -> di
 
 
 # --- the run -------------------------------------------------------------------------------
-
-def resolve_device(spec: str) -> torch.device:
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(spec)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise CompressError("--device cuda asked for, but no CUDA GPU is visible")
-    return dev
-
 
 def shard_name(i: int, n: int) -> str:
     return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
@@ -375,7 +363,7 @@ def compress(opts: CompressOptions, log: Callable[[str], None] = print) -> dict:
     except UnknownQuantizer as e:
         raise CompressError(str(e)) from None
     check_shapes(layout, layers)
-    device = resolve_device(opts.device)
+    device = resolve_device(opts.device, CompressError)
     src = SourceCheckpoint(src_dir)
     missing = [f"{l.name}.weight" for l in layers if f"{l.name}.weight" not in src.files]
     if missing:

@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .devices import resolve_device
+
 FORMAT = "qpalette.eval/1"
 DATASETS = {
     # --dataset NAME: (datasets path, config, split)
@@ -40,26 +42,6 @@ class EvalError(Exception):
 
 
 # --------------------------------------------------------------------------- devices, dtypes
-
-
-def resolve_device(spec: str) -> torch.device:
-    """auto (cuda if available, else cpu) | cpu | cuda | cuda:N."""
-    spec = spec.strip().lower()
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if spec == "cpu":
-        return torch.device("cpu")
-    if spec == "cuda" or spec.startswith("cuda:"):
-        if not torch.cuda.is_available():
-            raise EvalError(f"--device {spec} asked for, but no CUDA GPU is visible")
-        try:
-            dev = torch.device(spec)
-        except RuntimeError:
-            raise EvalError(f"bad --device '{spec}': use auto, cpu, cuda or cuda:N") from None
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise EvalError(f"--device {spec}: only {torch.cuda.device_count()} CUDA GPU(s) visible")
-        return dev
-    raise EvalError(f"bad --device '{spec}': use auto, cpu, cuda or cuda:N")
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -330,7 +312,7 @@ def evaluate(opts: EvalOptions, log: Callable[[str], None] = print) -> dict:
         raise EvalError("--max-windows must be at least 1")
     if opts.kl_seqs < 1 or opts.kl_len < 1:
         raise EvalError("--kl-seqs and --kl-len must be at least 1")
-    device = resolve_device(opts.device)
+    device = resolve_device(opts.device, EvalError)
     dtype = resolve_dtype(opts.dtype, device)
     do_ppl = bool(opts.dataset or opts.text_file or not opts.kl_to)
     t_start = time.perf_counter()

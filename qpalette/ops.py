@@ -93,11 +93,12 @@ def prepare(x: torch.Tensor, quantizer: str | None = None, out_features: int = 0
     """Allocate what the CUDA ops keep between calls (tables, matmul workspace, Hadamard factor)
     now, eagerly: inside torch.compile's CUDA-graph trees a first allocation would land in the
     graph pool ("tensors in the cudagraph pool not tracked as outputs"). The layers call this on
-    every eager call (a few dict lookups); compiled regions skip it."""
+    every eager call (a few dict lookups); compiled regions skip it. `quantizer` is a canonical
+    palette name (a layer's `quantizer.name`)."""
     if torch.compiler.is_compiling() or not _use_kernels(x):
         return
     if quantizer is not None:
-        lut(get_quantizer(quantizer).name, x.dtype, x.device)
+        lut(quantizer, x.dtype, x.device)
         workspace(x.device, out_features)
     elif _hadamard_ok(x.shape[-1]) and x.shape[-1] <= HADAMARD_MAX_N:
         k, _ = decompose(x.shape[-1])

@@ -35,11 +35,11 @@ def run(args: list[str]) -> None:
 
 def generate(model_dir: Path, prompt: str, device: str, new_tokens: int) -> tuple[str, float]:
     """Greedy continuation of a chat prompt and decode tokens/s (after one warm-up token)."""
-    import qpalette
     from transformers import AutoTokenizer
 
-    model = qpalette.from_pretrained(model_dir, device=device) if (model_dir / "qpalette-compress.json").exists() \
-        else _plain(model_dir, device)
+    from qpalette.bench import load_for_bench
+
+    model = load_for_bench(model_dir, torch.device(device))
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                    add_generation_prompt=True)
@@ -50,13 +50,6 @@ def generate(model_dir: Path, prompt: str, device: str, new_tokens: int) -> tupl
         out = model.generate(**enc, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
         dt = time.time() - t0
     return tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip(), new_tokens / dt
-
-
-def _plain(model_dir: Path, device: str):
-    from transformers import AutoModelForCausalLM
-
-    dtype = torch.float16 if device == "cuda" else torch.float32
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
 
 
 def main() -> None:

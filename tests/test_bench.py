@@ -25,6 +25,7 @@ def test_bench_original_and_compressed(tiny_llama_dir, tmp_path):
 
 def test_bench_errors(tmp_path):
     for args, msg in ((["bench", "/no/such/dir"], "no such"),
-                      (["bench", "smollm2-135m", "--batch-sizes", "x"], "--batch-sizes")):
+                      (["bench", "smollm2-135m", "--batch-sizes", "x"], "--batch-sizes"),
+                      (["bench", "smollm2-135m", "--device", "tpu"], "bad --device")):
         res = runner.invoke(app, args)
         assert res.exit_code == 2 and msg in res.output and "Traceback" not in res.output, res.output

@@ -222,6 +222,8 @@ def test_cli_errors_are_messages(tiny_llama_dir, tmp_path):
     ]
     odd = make_tiny_llama(tmp_path / "odd", hidden_size=72, num_attention_heads=4, num_key_value_heads=2)
     cases.append((["compress", str(odd), "--scheme", "nuq-4", "-o", str(tmp_path / "b")], "unsupported layer shapes"))
+    cases.append((["compress", str(tiny_llama_dir), "--scheme", "nuq-4", "-o", str(tmp_path / "d"),
+                   "--device", "gpu"], "bad --device"))
     moe = tmp_path / "moe"
     moe.mkdir()
     (moe / "config.json").write_text(json.dumps({"model_type": "mixtral", "num_local_experts": 8}))
