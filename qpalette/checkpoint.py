@@ -186,11 +186,13 @@ def convert_model(model: nn.Module, layout: Layout, dtype: torch.dtype | None = 
 def simulated_weights(model: nn.Module, layout: Layout) -> dict[str, torch.Tensor]:
     """Layer name → W = unrotate(decode(codes) ⊙ row_scale) (float32): what the quantized model
     computes, expressed as ordinary weights of the original architecture."""
-    out = {}
+    out, decoded = {}, {}
     for name in layout.layers:
         gname = layout.group_of(name)
         mod = _get(model, gname or name)
-        w_r = mod.rotated_weight()
+        if (gname or name) not in decoded:  # a fused group is decoded once for all its members
+            decoded[gname or name] = mod.rotated_weight()
+        w_r = decoded[gname or name]
         if gname:
             sl = _get(model, name)
             w_r = w_r[sl.start : sl.stop]
