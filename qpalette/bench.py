@@ -1,12 +1,17 @@
-"""`qpalette bench`: decode speed of a model as users run it, the same harness for FP16 and
-compressed checkpoints.
+"""`qpalette bench`: decode speed, the same harness for FP16 and compressed checkpoints, two ways.
 
-transformers' `generate` with a static KV cache (on CUDA it compiles the decode step with
-torch.compile, mode "reduce-overhead", i.e. CUDA graphs), greedy, a random prompt of
-`prompt_len` tokens per sequence. A stopping criterion records a timestamp after every step
-(after a device synchronise); the decode step time is the median gap between consecutive
-steps of a second, timed generate call (the first one compiles and warms up), so prefill and
-compilation are excluded. tok/s = 1 / step time (per sequence), throughput = batch / step time.
+- generate: transformers' `generate` as users run it, with a static KV cache (on CUDA it
+  compiles the decode step with torch.compile, mode "reduce-overhead", i.e. CUDA graphs),
+  greedy, a random prompt of `prompt_len` tokens per sequence. A stopping criterion records a
+  timestamp after every step (after a device synchronise); the step time is the median gap
+  between consecutive steps of a second, timed generate call (the first one compiles and warms
+  up), so prefill and compilation are excluded. It includes generate's per-token host work
+  (logits processors, stopping criteria, bookkeeping), which the GPU waits for.
+- loop: the model's forward alone, compiled the same way, one token a step against the same
+  static cache, greedy argmax fed back, `gen_len` steps between two CUDA events with no
+  synchronise in between: what the GPU needs per token when the host keeps up (as gpt-fast
+  style decoders run). The gap between the two is host overhead, not kernels.
+tok/s = 1 / step time (per sequence), throughput = batch / step time.
 """
 
 from __future__ import annotations
@@ -81,6 +86,55 @@ def decode_step_times(model, batch: int, prompt_len: int, gen_len: int, compile:
     return [b - a for a, b in zip(t[1:], t[2:])]  # drop the step that follows prefill
 
 
+def static_cache(config, batch: int, max_len: int, device, dtype):
+    """A transformers StaticCache across versions (5.x sizes it on first use; older ones ask)."""
+    import inspect
+
+    from transformers import StaticCache
+
+    if "max_batch_size" in inspect.signature(StaticCache.__init__).parameters:
+        return StaticCache(config=config, max_batch_size=batch, max_cache_len=max_len, device=device, dtype=dtype)
+    return StaticCache(config=config, max_cache_len=max_len)
+
+
+def decode_loop_step_time(model, batch: int, prompt_len: int, gen_len: int, compile: bool, seed: int,
+                          warmup: int = 4) -> float:
+    """Seconds per decode step of the forward alone (see the module docstring), on a fresh cache."""
+    device = model.device
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=g).to(device)
+    cache = static_cache(model.config, batch, prompt_len + warmup + gen_len, device, model.dtype)
+    positions = torch.arange(prompt_len + warmup + gen_len, device=device)
+    forward = torch.compile(model.forward, mode="reduce-overhead") if compile else model.forward
+    cuda = device.type == "cuda"
+
+    def step(i: int, tok: torch.Tensor) -> torch.Tensor:
+        if compile:
+            torch.compiler.cudagraph_mark_step_begin()
+        logits = forward(input_ids=tok, past_key_values=cache, use_cache=True,
+                         cache_position=positions[i:i + 1]).logits
+        return logits[:, -1:].argmax(-1)
+
+    with torch.no_grad():
+        logits = model(input_ids=ids, past_key_values=cache, use_cache=True,
+                       cache_position=positions[:prompt_len]).logits
+        tok = logits[:, -1:].argmax(-1)
+        for i in range(prompt_len, prompt_len + warmup):
+            tok = step(i, tok)
+        if cuda:
+            torch.cuda.synchronize(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        for i in range(prompt_len + warmup, prompt_len + warmup + gen_len):
+            tok = step(i, tok)
+        if cuda:
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3 / gen_len
+        return (time.perf_counter() - t0) / gen_len
+
+
 def bench(opts: BenchOptions, log: Callable[[str], None] = print) -> dict:
     from .models import ModelError, resolve_model
 
@@ -100,10 +154,14 @@ def bench(opts: BenchOptions, log: Callable[[str], None] = print) -> dict:
         steps = decode_step_times(model, b, opts.prompt_len, opts.gen_len, opts.compile and device.type == "cuda",
                                   opts.seed)
         step = statistics.median(steps)
+        loop = decode_loop_step_time(model, b, opts.prompt_len, opts.gen_len,
+                                     opts.compile and device.type == "cuda", opts.seed)
         rows.append({"batch_size": b, "step_s": step, "tok_per_s": 1 / step, "throughput_tok_per_s": b / step,
-                     "steps_timed": len(steps), "step_p10_s": _pct(steps, 10), "step_p90_s": _pct(steps, 90)})
-        log(f"batch {b}: {1 / step:8.1f} tok/s per sequence, {b / step:8.1f} tok/s total "
-            f"(median step {step * 1e3:.3f} ms over {len(steps)} steps)")
+                     "steps_timed": len(steps), "step_p10_s": _pct(steps, 10), "step_p90_s": _pct(steps, 90),
+                     "loop_step_s": loop, "loop_tok_per_s": 1 / loop, "loop_throughput_tok_per_s": b / loop})
+        log(f"batch {b}: generate {1 / step:8.1f} tok/s per sequence, {b / step:8.1f} tok/s total "
+            f"(median step {step * 1e3:.3f} ms over {len(steps)} steps); "
+            f"forward loop {1 / loop:8.1f} tok/s ({loop * 1e3:.3f} ms a step)")
     return {
         "format": "qpalette.bench/1",
         "model": str(opts.model),

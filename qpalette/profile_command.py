@@ -106,15 +106,15 @@ def fp16_decode_step_time(cfg: dict, batch: int, dtype: torch.dtype, context: in
                           repeats: int = 20) -> tuple[float, str]:
     """Seconds of one decode step of the FP16 model (random weights) with a static cache, replayed
     as a CUDA graph; falls back to eager timing (said in the returned method) if capture fails."""
-    from transformers import AutoConfig, AutoModelForCausalLM, StaticCache
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .bench import static_cache
 
     hf_cfg = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k not in ("architectures",)})
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype).eval()
     vocab = architecture.dims(cfg)["vocab"]
-    cache = StaticCache(config=hf_cfg, max_batch_size=batch, max_cache_len=context + 256,
-                        device="cuda", dtype=dtype) if _static_cache_takes_batch() else \
-        StaticCache(config=hf_cfg, max_cache_len=context + 256)
+    cache = static_cache(hf_cfg, batch, context + 256, "cuda", dtype)
     with torch.no_grad():
         prompt = torch.randint(0, vocab, (batch, context), device="cuda")
         model(input_ids=prompt, past_key_values=cache, use_cache=True,
@@ -155,14 +155,6 @@ def fp16_decode_step_time(cfg: dict, batch: int, dtype: torch.dtype, context: in
     del model, cache
     torch.cuda.empty_cache()
     return statistics.median(times), method
-
-
-def _static_cache_takes_batch() -> bool:
-    import inspect
-
-    from transformers import StaticCache
-
-    return "max_batch_size" in inspect.signature(StaticCache.__init__).parameters
 
 
 def run_profile(model: str, batch_sizes: list[int] | None = None, out_dir: str | Path = ".",

@@ -1,35 +1,62 @@
 #!/bin/bash
-# What the session's device time did not cover (issues 6 and 7), two back-to-back calls:
-#   A  carry=[".whl", ".devcarry/a"]  bash scripts/gpu_next.sh A
-#      first GGUF half to /tmp; Llama-3.1-8B-shape decode speed of the 4-bit and 120 tok/s plans
-#      (batch 1) and the 2-bit plan at batch 8 (results/speed_llama8b/, FP16 measured already)
-#   B  carry=[".whl", ".devcarry/b"]  bash scripts/gpu_next.sh B
-#      SmolLM2-135M compressed with TCQ-3.0 on the GPU: greedy text on the kernels (eager and
-#      compiled with a static cache) vs the CPU reference (scripts/check_greedy.py)
+# GPU measurements of issues 6 and 7 through the device tool, as steps run in order:
+#   bash scripts/gpu_next.sh STEP...      (logs and JSON in $OUT)
+# part0     first half of the SmolLM2 GGUF to /tmp (carry .devcarry/a; `greedy` later on the same
+#           warm machine carries .devcarry/b with the second half)
+# syn8b     random-weight Llama-3.1-8B checkpoint + the plans of results/speed_llama8b compressed
+#           with --random-codes (in the background when BG=1; `wait8b` waits for it)
+# kn        the kernels-next overlay (.kn, carried): build and GPU kernel tests; knab: TCQ table A/B bench
+# greedy    SmolLM2-135M TCQ-3.0 compressed on the GPU: greedy text on the kernels (eager and
+#           compiled with a static cache) vs the CPU reference (scripts/check_greedy.py)
+# bench     `qpalette bench` (generate and forward loop) of BENCH="fp16:1,8 2bit:1,8 ..."
+# breakdown scripts/decode_breakdown.py of BREAKDOWN="fp16 2bit" at batch 1
+# gputests  pytest -m gpu over the whole suite
 set -uo pipefail
+T0=$(date +%s)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/*.whl $(ls .devcarry/b/wheels/*.whl 2>/dev/null) || exit 1
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 QPALETTE_CACHE=/tmp/qpcache
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-exec > >(tee -a "$OUT/log_next_$1.txt") 2>&1
+exec > >(tee -a "$OUT/log_next.txt") 2>&1
 QP="python3 -m qpalette.cli"
 S8=results/speed_llama8b
-case "$1" in
-A)
-    mkdir -p /tmp/qp_parts && cp .devcarry/a/gguf.part0 /tmp/qp_parts/
+model_dir() { [ "$1" = fp16 ] && echo /tmp/syn8b || echo /tmp/syn8b_$1; }
+syn8b() {
     [ -d /tmp/syn8b ] || python3 scripts/make_synthetic_model.py /tmp/syn8b --config llama-3.1-8b | tail -1
     for p in 4bit speed120 2bit; do
         [ -d /tmp/syn8b_$p ] || $QP compress /tmp/syn8b --plan $S8/plan_$p.json --random-codes -o /tmp/syn8b_$p -q | head -1
     done
-    $QP bench /tmp/syn8b_4bit --batch-sizes 1 --prompt-len 16 --gen-len 32 --json "$OUT/bench_4bit.json"
-    $QP bench /tmp/syn8b_speed120 --batch-sizes 1 --prompt-len 16 --gen-len 32 --json "$OUT/bench_speed120.json"
-    $QP bench /tmp/syn8b_2bit --batch-sizes 1,8 --prompt-len 16 --gen-len 32 --json "$OUT/bench_2bit.json"
-    ;;
-B)
-    G=/tmp/qp_model.gguf
-    cat /tmp/qp_parts/gguf.part0 .devcarry/b/gguf.part1 > $G || { echo "part0 missing: machine was not warm"; exit 3; }
-    SRC=$(python3 -c "from qpalette.models import resolve_model; print(resolve_model('$G', quiet=True))")
-    $QP compress "$SRC" --scheme tcq-3.0 -o /tmp/q_tcq3 --device cuda -q | head -1
-    timeout 400 python3 scripts/check_greedy.py /tmp/q_tcq3 --json "$OUT/greedy_smollm2_tcq3.json"
-    ;;
-esac
+}
+for step in "$@"; do
+  echo "=== $step at $(( $(date +%s) - T0 )) s"
+  case $step in
+    part0) mkdir -p /tmp/qp_parts && cp .devcarry/a/gguf.part0 /tmp/qp_parts/ ;;
+    syn8b) if [ "${BG:-0}" = 1 ]; then syn8b > "$OUT/log_syn8b.txt" 2>&1 & SYNPID=$!; else syn8b; fi ;;
+    wait8b) [ -n "${SYNPID:-}" ] && wait $SYNPID; cat "$OUT/log_syn8b.txt" 2>/dev/null | grep -v Warning ;;
+    kn)
+      rm -rf /tmp/kn && mkdir /tmp/kn && cp -r .whl kernels qpalette scripts tests profiles pyproject.toml /tmp/kn/ \
+        && cp -r .kn/. /tmp/kn/ || exit 1
+      (cd /tmp/kn && OUT="$OUT/kn" TEST_LIMIT=${KN_TEST_LIMIT:-240} bash scripts/gpu_kernels.sh build tests) ;;
+    knab) (cd /tmp/kn && OUT="$OUT/kn" bash scripts/gpu_kernels.sh abtcq) ;;
+    greedy)
+      G=/tmp/qp_model.gguf
+      cat /tmp/qp_parts/gguf.part0 .devcarry/b/gguf.part1 > $G || { echo "part0 missing: machine was not warm"; exit 3; }
+      SRC=$(python3 -c "from qpalette.models import resolve_model; print(resolve_model('$G', quiet=True))")
+      [ -d /tmp/q_tcq3 ] || $QP compress "$SRC" --scheme tcq-3.0 -o /tmp/q_tcq3 --device cuda -q | head -1
+      timeout ${GREEDY_LIMIT:-400} python3 scripts/check_greedy.py /tmp/q_tcq3 --json "$OUT/greedy_smollm2_tcq3.json" ;;
+    bench)
+      for mb in ${BENCH:-fp16:1,8 2bit:1,8}; do
+        m=${mb%%:*}; b=${mb#*:}
+        timeout ${BENCH_ONE_LIMIT:-300} $QP bench $(model_dir $m) --batch-sizes $b --prompt-len 16 --gen-len 32 \
+          --json "$OUT/bench_$m.json" 2>&1 | grep -E "batch|rror|Traceback"
+      done ;;
+    breakdown)
+      for m in ${BREAKDOWN:-fp16 2bit}; do
+        timeout 240 python3 scripts/decode_breakdown.py $(model_dir $m) --json "$OUT/breakdown_$m.json" 2>&1 \
+          | grep -v -i warn
+      done ;;
+    gputests)
+      timeout ${TEST_LIMIT:-500} python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tail -15 ;;
+  esac
+done
+echo "=== done at $(( $(date +%s) - T0 )) s"

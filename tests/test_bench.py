@@ -20,6 +20,8 @@ def test_bench_original_and_compressed(tiny_llama_dir, tmp_path):
         r = json.loads(out.read_text())
         assert [row["batch_size"] for row in r["rows"]] == [1, 3]
         assert all(row["steps_timed"] == 4 and row["tok_per_s"] > 0 for row in r["rows"])
+        assert all(row["loop_step_s"] > 0 and abs(row["loop_tok_per_s"] * row["loop_step_s"] - 1) < 1e-9 for row in r["rows"])
+        assert "forward loop" in res.output
         assert r["quantized"] == (d != tiny_llama_dir)
 
 
