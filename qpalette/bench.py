@@ -78,6 +78,8 @@ def decode_step_times(model, batch: int, prompt_len: int, gen_len: int, compile:
     kw = dict(max_new_tokens=gen_len, min_new_tokens=gen_len, do_sample=False,
               cache_implementation="static", disable_compile=not compile,
               pad_token_id=model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0)
+    if compile:
+        torch._dynamo.reset()
     with torch.no_grad():
         model.generate(ids, **kw)  # compile, capture graphs, warm up
         clock = _StepClock(device)
@@ -105,6 +107,8 @@ def decode_loop_step_time(model, batch: int, prompt_len: int, gen_len: int, comp
     ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=g).to(device)
     cache = static_cache(model.config, batch, prompt_len + warmup + gen_len, device, model.dtype)
     positions = torch.arange(prompt_len + warmup + gen_len, device=device)
+    if compile:
+        torch._dynamo.reset()  # each measurement compiles afresh: no recompile limit hit, no stale graphs
     forward = torch.compile(model.forward, mode="reduce-overhead") if compile else model.forward
     cuda = device.type == "cuda"
 
