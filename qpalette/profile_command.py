@@ -6,9 +6,11 @@ matrices are the row-concatenated layers) and every palette entry, the time of o
 weights cycled through enough copies to defeat L2). Groups of equal shape are measured once.
 
 The constant per-step overhead (`constant_s`) is what a decode step costs outside the linear
-layers: the FP16 model built from its config with random weights, one token a step against a
-static KV cache of `context` tokens, captured in a CUDA graph, minus the FP16 time of its
-linear layers measured the same way (cuBLAS, per block, summed). Online Hadamard transforms are
+layers: the FP16 model built from its config with random weights, timed in `qpalette bench`'s
+forward loop (compiled, CUDA graphs, static cache: the GPU's time per token), minus the FP16
+time of its linear layers measured like the groups (cuBLAS, per block, summed). Predictions
+made from a profile are therefore forward-loop tok/s; transformers' `generate` adds its
+per-token host work on top (`qpalette bench` reports both). Online Hadamard transforms are
 part of a quantized model's step but not of FP16's: their time (4 per block) is added to
 `constant_s` and reported separately as `rotation_s`.
 
@@ -18,7 +20,6 @@ Entry point for the CLI: `run_profile(model, batch_sizes, out_dir, ...)` → pat
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -102,59 +103,27 @@ def rotation_time(cfg: dict, batch: int, dtype: torch.dtype) -> float:
     return d["blocks"] * sum(t[n] for n in sizes)
 
 
-def fp16_decode_step_time(cfg: dict, batch: int, dtype: torch.dtype, context: int = 256,
-                          repeats: int = 20) -> tuple[float, str]:
-    """Seconds of one decode step of the FP16 model (random weights) with a static cache, replayed
-    as a CUDA graph; falls back to eager timing (said in the returned method) if capture fails."""
+def fp16_decode_step_time(cfg: dict, batch: int, dtype: torch.dtype, prompt_len: int = 64,
+                          steps: int = 64) -> tuple[float, str]:
+    """Seconds of one decode step of the FP16 model (random weights) in `qpalette bench`'s forward
+    loop (torch.compile, CUDA graphs, static cache); eager if compiling fails (said in the method)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .bench import static_cache
+    from .bench import decode_loop_step_time
 
     hf_cfg = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k not in ("architectures",)})
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype).eval()
-    vocab = architecture.dims(cfg)["vocab"]
-    cache = static_cache(hf_cfg, batch, context + 256, "cuda", dtype)
-    with torch.no_grad():
-        prompt = torch.randint(0, vocab, (batch, context), device="cuda")
-        model(input_ids=prompt, past_key_values=cache, use_cache=True,
-              cache_position=torch.arange(context, device="cuda"))
-        tok = torch.randint(0, vocab, (batch, 1), device="cuda")
-        pos = torch.tensor([context], device="cuda")
-
-        def step():
-            return model(input_ids=tok, past_key_values=cache, use_cache=True, cache_position=pos).logits
-
-        method = "cuda graph"
-        try:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(3):
-                    step()
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                step()
-            run = g.replay
-        except Exception as e:  # transformers versions differ in what they allow under capture
-            method = f"eager (graph capture failed: {type(e).__name__}: {str(e)[:200]})"
-            torch.cuda.synchronize()
-            run = step
-        for _ in range(3):
-            run()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(repeats):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            run()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-    del model, cache
+    try:
+        step, method = decode_loop_step_time(model, batch, prompt_len, steps, True, 0), "compiled forward loop"
+    except Exception as e:  # noqa: BLE001 — transformers/torch versions differ in what compiles
+        torch._dynamo.reset()
+        step = decode_loop_step_time(model, batch, prompt_len, steps, False, 0)
+        method = f"eager forward loop (compile failed: {type(e).__name__}: {str(e)[:200]})"
+    del model
+    torch._dynamo.reset()
     torch.cuda.empty_cache()
-    return statistics.median(times), method
+    return step, method
 
 
 def run_profile(model: str, batch_sizes: list[int] | None = None, out_dir: str | Path = ".",

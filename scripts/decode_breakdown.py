@@ -8,7 +8,9 @@ launched one by one instead of from a CUDA graph, so the profiler sees each), an
 `--steps` decode steps with torch.profiler. Every kernel's device time is summed into kinds
 (qpalette matmul, online Hadamard, cuBLAS GEMM, attention, inductor-fused elementwise/norm,
 other) and divided by the steps. Next to it: the step time of the same forward replayed as a CUDA
-graph (bench's forward loop). The difference is what launching costs beyond the kernels.
+graph (bench's forward loop); the difference is what launching costs beyond the kernels. Last,
+the host time of one CUDA-graph call of the compiled forward (what transformers' `generate`
+pays per token before its own bookkeeping, since it synchronises every step).
 """
 
 from __future__ import annotations
@@ -79,6 +81,32 @@ def breakdown(model, batch: int, steps: int, prompt_len: int = 64) -> dict:
     }
 
 
+def host_call_time(model, batch: int, calls: int = 20, prompt_len: int = 64) -> float:
+    """Median host seconds of one call of the CUDA-graph-compiled forward (the GPU idle before
+    each call, so the call returns once the replay is queued): the CPU's share of a step."""
+    import statistics
+    import time
+
+    device = model.device
+    total = prompt_len + 8 + calls
+    cache = static_cache(model.config, batch, total, device, model.dtype)
+    positions = torch.arange(total, device=device)
+    torch._dynamo.reset()
+    forward = torch.compile(model.forward, mode="reduce-overhead")
+    tok = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    times = []
+    with torch.no_grad():
+        model(input_ids=torch.zeros(batch, prompt_len, dtype=torch.long, device=device), past_key_values=cache,
+              use_cache=True, cache_position=positions[:prompt_len])
+        for i in range(prompt_len, total):
+            torch.cuda.synchronize()
+            torch.compiler.cudagraph_mark_step_begin()
+            t0 = time.perf_counter()
+            forward(input_ids=tok, past_key_values=cache, use_cache=True, cache_position=positions[i:i + 1])
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times[8:])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model")
@@ -92,8 +120,11 @@ def main() -> None:
     res = {"model": a.model, "batch": a.batch, "device": torch.cuda.get_device_name(), **breakdown(model, a.batch, a.steps)}
     torch._dynamo.reset()
     res["graph_step_s"] = decode_loop_step_time(model, a.batch, 64, 32, True, 0)
+    res["host_call_s"] = host_call_time(model, a.batch)
+    res["tensors"] = sum(1 for _ in model.parameters()) + sum(1 for _ in model.buffers())
     print(f"{a.model} batch {a.batch}: kernels {res['kernel_sum_s'] * 1e3:.3f} ms a step, "
-          f"CUDA-graph step {res['graph_step_s'] * 1e3:.3f} ms")
+          f"CUDA-graph step {res['graph_step_s'] * 1e3:.3f} ms, host time of one graph call "
+          f"{res['host_call_s'] * 1e3:.3f} ms ({res['tensors']} parameters and buffers)")
     for k, v in res["kinds_s"].items():
         print(f"  {k:26s} {v * 1e3:8.3f} ms  ({res['kernels_per_step'][k]:.0f} kernels)")
     for k, v in res["top_kernels_s"].items():
