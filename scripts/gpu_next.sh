@@ -40,7 +40,7 @@ for step in "$@"; do
     part0) mkdir -p /tmp/qp_parts && cp .devcarry/a/gguf.part0 /tmp/qp_parts/ ;;
     syn8b) if [ "${BG:-0}" = 1 ]; then syn8b > "$OUT/log_syn8b.txt" 2>&1 & SYNPID=$!; else syn8b; fi ;;
     only8b) only_syn8b > "$OUT/log_syn8b.txt" 2>&1 & ;;
-    waitall) wait; cat "$OUT"/log_*.txt 2>/dev/null | grep -E "^(wrote|done)" ;;
+    waitall) wait $(jobs -p); cat "$OUT"/log_*.txt 2>/dev/null | grep -E "^(wrote|done)" ;;
     wait8b) [ -n "${SYNPID:-}" ] && wait $SYNPID; cat "$OUT/log_syn8b.txt" 2>/dev/null | grep -v Warning ;;
     kn)
       rm -rf /tmp/kn && mkdir /tmp/kn && cp -r .whl kernels qpalette scripts tests profiles pyproject.toml /tmp/kn/ \
