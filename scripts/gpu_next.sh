@@ -30,7 +30,7 @@ only_syn8b() { [ -d /tmp/syn8b ] || python3 scripts/make_synthetic_model.py /tmp
                touch /tmp/syn8b.done; }
 syn8b() {
     [ -d /tmp/syn8b ] || python3 scripts/make_synthetic_model.py /tmp/syn8b --config llama-3.1-8b | tail -1
-    for p in 4bit speed120 2bit; do
+    for p in ${PLANS:-2bit 4bit speed150 speed170}; do
         [ -d /tmp/syn8b_$p ] || $QP compress /tmp/syn8b --plan $S8/plan_$p.json --random-codes -o /tmp/syn8b_$p -q | head -1
     done
 }

@@ -145,46 +145,71 @@ def kernels(bench: dict, figdir: Path) -> list[str]:
 
 def speed(folder: Path, figdir: Path) -> list[str]:
     out = ["## (d) Decode speed: Llama-3.1-8B shapes (random weights), `qpalette bench`", ""]
-    runs = {p.stem: load(p) for p in sorted(folder.glob("bench_*.json"))}
+    runs = {p.stem.removeprefix("bench_"): load(p) for p in sorted(folder.glob("bench_*.json"))}
     plans = {p.stem.removeprefix("plan_"): load(p) for p in sorted(folder.glob("plan_*.json"))}
-    fp = runs.get("bench_fp16")
+    fp = runs.get("fp16")
     if not runs or not fp:
         return out + ["(no data)", ""]
-    first = next(iter(runs.values()))
-    out.append(f"{first['device']}, {first['dtype']}, static KV cache, torch.compile + CUDA graphs "
-               f"= {first['compiled']}, prompt {first['prompt_len']} tokens, {first['gen_len']} generated; "
-               "median decode step. Same harness for FP16 and compressed checkpoints (compressed with "
-               "`--random-codes`: speed does not depend on code values).")
-    out += ["", "| model | plan | batch | tok/s per sequence | throughput tok/s | × FP16 | planned tok/s | measured / planned |",
-            "|---|---|---|---|---|---|---|---|"]
+    out.append(f"{fp['device']}, {fp['dtype']}, static KV cache, torch.compile + CUDA graphs = {fp['compiled']}, "
+               f"prompt {fp['prompt_len']} tokens, {fp['gen_len']} generated. Two numbers per row, same harness for "
+               "FP16 and compressed checkpoints (compressed with `--random-codes`: speed does not depend on code "
+               "values): **loop** = the compiled forward alone, one token a step, timed between two CUDA events "
+               "(the GPU's time per token); **generate** = transformers' `generate`, median step, which adds its "
+               "per-token host work. Planned tok/s come from the plan's latency profile "
+               "(`profiles/h100_latency_llama31_8b_b1.json`, constant measured with the same loop).")
+    out += ["", "| model | plan budget | batch | loop tok/s | loop × FP16 | generate tok/s | generate × FP16 | "
+            "loop throughput | planned tok/s | loop / planned |", "|---|---|---|---|---|---|---|---|---|---|"]
     fp_rows = {r["batch_size"]: r for r in fp["rows"]}
-    labels, b1s, b8s = [], [], []
-    for name, res in runs.items():
-        key = name.removeprefix("bench_")
+    bars = []
+    for key, res in runs.items():
         plan = plans.get(key)
         for r in res["rows"]:
-            b = r["batch_size"]
-            ratio = r["tok_per_s"] / fp_rows[b]["tok_per_s"] if b in fp_rows else float("nan")
-            planned = (plan or {}).get("totals", {}).get("tok_per_s") if plan and plan.get("options", {}).get("batch_size", 1) == b else None
+            b, f = r["batch_size"], fp_rows.get(r["batch_size"])
+            planned = plan["totals"].get("tok_per_s") if plan and plan["options"].get("batch_size", 1) == b else None
             budget = ", ".join(x["text"] for x in plan["budgets"]) if plan else "–"
-            tps = r["tok_per_s"]
-            plan_txt = "– | –" if planned is None else f"{planned:.1f} | {tps / planned:.2f}"
-            out.append(f"| {key} | {budget} | {b} | {tps:.1f} | {r['throughput_tok_per_s']:.1f} | {ratio:.2f}× | "
+            loop, gen = r["loop_tok_per_s"], r["tok_per_s"]
+            ratio = lambda x, y: f"{x / y:.2f}×" if y else "–"  # noqa: E731
+            plan_txt = "– | –" if planned is None else f"{planned:.1f} | {loop / planned:.3f}"
+            out.append(f"| {key} | {budget} | {b} | {loop:.1f} | {ratio(loop, f and f['loop_tok_per_s'])} | "
+                       f"{gen:.1f} | {ratio(gen, f and f['tok_per_s'])} | {r['loop_throughput_tok_per_s']:.1f} | "
                        f"{plan_txt} |")
-        rows = {r["batch_size"]: r for r in res["rows"]}
-        labels.append(key)
-        b1s.append(rows.get(1, {}).get("tok_per_s", 0))
-        b8s.append(rows.get(8, {}).get("throughput_tok_per_s", 0))
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, vals, title in ((axes[0], b1s, "batch 1: tok/s"), (axes[1], b8s, "batch 8: total tok/s")):
-        ax.bar(labels, vals, color=["gray" if lab == "fp16" else "C0" for lab in labels])
-        ax.set(title=title)
-        ax.tick_params(axis="x", rotation=30)
-        ax.grid(axis="y", alpha=0.3)
+            if b == 1:
+                bars.append((key, loop, gen, planned))
+    fig, ax = plt.subplots(figsize=(9, 4))
+    x = range(len(bars))
+    ax.bar([i - 0.2 for i in x], [b[1] for b in bars], 0.4, label="forward loop")
+    ax.bar([i + 0.2 for i in x], [b[2] for b in bars], 0.4, label="generate", color="C1")
+    planned = [(i, b[3]) for i, b in zip(x, bars) if b[3]]
+    if planned:
+        ax.plot(*zip(*[(i - 0.2, v) for i, v in planned]), "k_", ms=22, mew=2, label="planned")
+    ax.axhline(bars[[b[0] for b in bars].index("fp16")][1], color="gray", ls="--", lw=1, label="FP16 loop")
+    ax.set_xticks(list(x), [b[0] for b in bars])
+    ax.set(ylabel="tok/s (batch 1)", title="Llama-3.1-8B shapes, H100, batch 1")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(figdir / "decode_llama8b.png", dpi=120)
     plt.close(fig)
-    return out + ["", "![decode speed](results/decode_llama8b.png)", ""]
+    return out + ["", "![decode speed](results/decode_llama8b.png)", ""] + breakdown(folder)
+
+
+def breakdown(folder: Path) -> list[str]:
+    """Where a decode step's GPU time goes (scripts/decode_breakdown.py)."""
+    runs = {p.stem.removeprefix("breakdown_"): load(p) for p in sorted(folder.glob("breakdown_*.json"))}
+    if not runs:
+        return []
+    kinds = sorted({k for r in runs.values() for k in r["kinds_s"]}, key=lambda k: -max(r["kinds_s"].get(k, 0) for r in runs.values()))
+    out = ["### Where a decode step goes (batch 1, `scripts/decode_breakdown.py`)", "",
+           "Kernel time per step from torch.profiler over 8 steps of the inductor-compiled forward, by kind; "
+           "then the same forward replayed as a CUDA graph, and the host time of one graph call.", "",
+           "| ms per step | " + " | ".join(runs) + " |", "|---|" + "---|" * len(runs)]
+    for k in kinds:
+        out.append(f"| {k} | " + " | ".join(f"{r['kinds_s'].get(k, 0) * 1e3:.3f}" for r in runs.values()) + " |")
+    for label, key in (("**sum of kernels**", "kernel_sum_s"), ("CUDA-graph step", "graph_step_s"),
+                       ("host time of one graph call", "host_call_s")):
+        if all(key in r for r in runs.values()):
+            out.append(f"| {label} | " + " | ".join(f"{r[key] * 1e3:.3f}" for r in runs.values()) + " |")
+    return out + [""]
 
 
 def targets(sweep: dict | None, folder: Path) -> list[str]:
@@ -202,20 +227,21 @@ def targets(sweep: dict | None, folder: Path) -> list[str]:
             rel = ppl["msq-4.0"] / ppl["fp"] - 1
             out.append(f"| 4-bit MSQ within 3% of FP16 perplexity | {100 * rel:+.1f}% | {'yes' if rel <= 0.03 else 'no'} |")
     runs = {p.stem.removeprefix("bench_"): load(p) for p in sorted(folder.glob("bench_*.json"))}
-    fp1 = next((r["tok_per_s"] for r in (runs.get("fp16") or {}).get("rows", []) if r["batch_size"] == 1), None)
+    b1 = {k: next((r for r in res["rows"] if r["batch_size"] == 1), None) for k, res in runs.items()}
+    fp1 = b1.get("fp16")
     for key, need in (("2bit", 3.0), ("4bit", 2.0)):
-        got = next((r["tok_per_s"] for r in (runs.get(key) or {}).get("rows", []) if r["batch_size"] == 1), None)
+        got = b1.get(key)
         if got and fp1:
-            out.append(f"| {key} plan ≥ {need:.1f}× FP16 decode tok/s (batch 1) | {got / fp1:.2f}× | "
-                       f"{'yes' if got / fp1 >= need else 'no'} |")
+            loop, gen = got["loop_tok_per_s"] / fp1["loop_tok_per_s"], got["tok_per_s"] / fp1["tok_per_s"]
+            out.append(f"| {key} plan ≥ {need:.1f}× FP16 decode tok/s (batch 1) | loop {loop:.2f}×, generate "
+                       f"{gen:.2f}× | {'yes' if min(loop, gen) >= need else 'no'} |")
         else:
             out.append(f"| {key} plan ≥ {need:.1f}× FP16 decode tok/s (batch 1) | not measured | – |")
-    for key, res in runs.items():
+    for key, row in b1.items():
         plan = load(folder / f"plan_{key}.json")
-        row = next((r for r in (res or {}).get("rows", []) if r["batch_size"] == 1), None)
-        if plan and row and plan["totals"].get("tok_per_s"):
-            ratio = row["tok_per_s"] / plan["totals"]["tok_per_s"]
-            out.append(f"| plan {key} lands within 10% of its planned tok/s | {ratio:.2f} of "
+        if plan and row and any(x["kind"] == "latency" for x in plan["budgets"]):
+            ratio = row["loop_tok_per_s"] / plan["totals"]["tok_per_s"]
+            out.append(f"| speed plan {key} lands within 10% of its planned tok/s | loop {ratio:.3f} of "
                        f"{plan['totals']['tok_per_s']:.1f} | {'yes' if abs(ratio - 1) <= 0.1 else 'no'} |")
     return out + [""]
 
