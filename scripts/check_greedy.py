@@ -2,7 +2,10 @@
 """Issue 6 check: a compressed checkpoint generates the same greedy text on the CUDA kernels as
 on the CPU reference path, and under torch.compile with a static KV cache.
 
-    python3 scripts/check_greedy.py COMPRESSED_DIR [--tokens 24] [--json out.json]
+    python3 scripts/check_greedy.py MODEL_DIR [--tokens 24] [--json out.json]
+
+MODEL_DIR is a qpalette checkpoint, or an original model as the control: the same comparison
+without qpalette (cuBLAS fp16 vs CPU float32) shows which flips come from fp16 alone.
 
 CPU: float32, pure-PyTorch reference. GPU: float16 activations on the qpalette kernels, eager
 and then `generate(cache_implementation="static")` (transformers compiles the decode step,
@@ -29,11 +32,11 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
-    import qpalette
+    from qpalette.bench import load_for_bench
 
     tok = AutoTokenizer.from_pretrained(args.model)
-    cpu = qpalette.from_pretrained(args.model, device="cpu")
-    gpu = qpalette.from_pretrained(args.model, device="cuda", dtype=torch.float16)
+    cpu = load_for_bench(args.model, torch.device("cpu"))  # float32; qpalette's reference path
+    gpu = load_for_bench(args.model, torch.device("cuda"))  # float16; qpalette's kernels
     kw = dict(max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False)
     rows = []
     for prompt in PROMPTS:

@@ -51,8 +51,9 @@ for step in "$@"; do
       G=/tmp/qp_model.gguf
       cat /tmp/qp_parts/gguf.part0 .devcarry/b/gguf.part1 > $G || { echo "part0 missing: machine was not warm"; exit 3; }
       SRC=$(python3 -c "from qpalette.models import resolve_model; print(resolve_model('$G', quiet=True))")
-      [ -d /tmp/q_tcq3 ] || $QP compress "$SRC" --scheme tcq-3.0 -o /tmp/q_tcq3 --device cuda -q | head -1
-      timeout ${GREEDY_LIMIT:-400} python3 scripts/check_greedy.py /tmp/q_tcq3 --json "$OUT/greedy_smollm2_tcq3.json" ;;
+      [ -d /tmp/q_tcq3 ] || [ -n "${GREEDY_ORIGINAL:-}" ] || $QP compress "$SRC" --scheme tcq-3.0 -o /tmp/q_tcq3 --device cuda -q | head -1
+      [ -n "${GREEDY_ORIGINAL:-}" ] && timeout 200 python3 scripts/check_greedy.py "$SRC" --json "$OUT/greedy_smollm2_original.json"
+      [ -n "${GREEDY_ORIGINAL:-}" ] || timeout ${GREEDY_LIMIT:-400} python3 scripts/check_greedy.py /tmp/q_tcq3 --json "$OUT/greedy_smollm2_tcq3.json" ;;
     bench)
       for mb in ${BENCH:-fp16:1,8 2bit:1,8}; do
         m=${mb%%:*}; b=${mb#*:}
