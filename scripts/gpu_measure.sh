@@ -1,6 +1,6 @@
 #!/bin/bash
 # GPU measurements of issues 6 and 7 through the device tool, as steps run in order:
-#   bash scripts/gpu_next.sh STEP...      (logs and JSON in $OUT)
+#   bash scripts/gpu_measure.sh STEP...      (logs and JSON in $OUT)
 # part0     first half of the SmolLM2 GGUF to /tmp (carry .devcarry/a; `greedy` later on the same
 #           warm machine carries .devcarry/b with the second half)
 # syn8b     random-weight Llama-3.1-8B checkpoint + the plans of results/speed_llama8b compressed
@@ -22,7 +22,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     .whl/*.whl $(ls .devcarry/b/wheels/*.whl 2>/dev/null) || exit 1
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 QPALETTE_CACHE=/tmp/qpcache
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-exec > >(tee -a "$OUT/log_next.txt") 2>&1
+exec > >(tee -a "$OUT/log_measure.txt") 2>&1
 QP="python3 -m qpalette.cli"
 S8=results/speed_llama8b
 model_dir() { [ "$1" = fp16 ] && echo /tmp/syn8b || echo /tmp/syn8b_$1; }
