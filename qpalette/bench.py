@@ -99,44 +99,60 @@ def static_cache(config, batch: int, max_len: int, device, dtype):
     return StaticCache(config=config, max_cache_len=max_len)
 
 
+class DecodeLoop:
+    """Greedy one-token steps of `model.forward` against a static KV cache prefilled with a random
+    prompt: the loop that `bench`, `profile` and scripts/decode_breakdown.py time. `compile`: None
+    (eager), "reduce-overhead" (inductor + CUDA graphs, as `generate` compiles) or "default"
+    (inductor kernels launched one by one)."""
+
+    def __init__(self, model, batch: int, prompt_len: int, steps: int, compile: str | None = None, seed: int = 0):
+        device = model.device
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=g).to(device)
+        self.cache = static_cache(model.config, batch, prompt_len + steps, device, model.dtype)
+        self.positions = torch.arange(prompt_len + steps, device=device)
+        if compile:
+            torch._dynamo.reset()  # each loop compiles afresh: no recompile limit hit, no stale graphs
+        self.graphs = compile == "reduce-overhead"
+        self.forward = torch.compile(model.forward, mode=compile) if compile else model.forward
+        with torch.no_grad():
+            logits = model(input_ids=ids, past_key_values=self.cache, use_cache=True, **self._where(0, prompt_len)).logits
+        self.tokens = [logits[:, -1:].argmax(-1)]
+        self.pos = prompt_len
+
+    def step(self) -> None:
+        if self.graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch.no_grad():
+            logits = self.forward(input_ids=self.tokens[-1], past_key_values=self.cache, use_cache=True,
+                                  **self._where(self.pos, self.pos + 1)).logits
+        self.tokens.append(logits[:, -1:].argmax(-1))
+        self.pos += 1
+
+    def _where(self, a: int, b: int) -> dict:
+        """Positions a..b-1 as transformers wants them: cache_position (≤ 5.2x) and position_ids."""
+        return {"cache_position": self.positions[a:b], "position_ids": self.positions[a:b].unsqueeze(0)}
+
+
 def decode_loop_step_time(model, batch: int, prompt_len: int, gen_len: int, compile: bool, seed: int,
                           warmup: int = 4) -> float:
     """Seconds per decode step of the forward alone (see the module docstring), on a fresh cache."""
-    device = model.device
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=g).to(device)
-    cache = static_cache(model.config, batch, prompt_len + warmup + gen_len, device, model.dtype)
-    positions = torch.arange(prompt_len + warmup + gen_len, device=device)
-    if compile:
-        torch._dynamo.reset()  # each measurement compiles afresh: no recompile limit hit, no stale graphs
-    forward = torch.compile(model.forward, mode="reduce-overhead") if compile else model.forward
-    cuda = device.type == "cuda"
-
-    def step(i: int, tok: torch.Tensor) -> torch.Tensor:
-        if compile:
-            torch.compiler.cudagraph_mark_step_begin()
-        logits = forward(input_ids=tok, past_key_values=cache, use_cache=True,
-                         cache_position=positions[i:i + 1]).logits
-        return logits[:, -1:].argmax(-1)
-
-    with torch.no_grad():
-        logits = model(input_ids=ids, past_key_values=cache, use_cache=True,
-                       cache_position=positions[:prompt_len]).logits
-        tok = logits[:, -1:].argmax(-1)
-        for i in range(prompt_len, prompt_len + warmup):
-            tok = step(i, tok)
-        if cuda:
-            torch.cuda.synchronize(device)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+    loop = DecodeLoop(model, batch, prompt_len, warmup + gen_len, "reduce-overhead" if compile else None, seed)
+    for _ in range(warmup):
+        loop.step()
+    if model.device.type != "cuda":
         t0 = time.perf_counter()
-        for i in range(prompt_len + warmup, prompt_len + warmup + gen_len):
-            tok = step(i, tok)
-        if cuda:
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3 / gen_len
+        for _ in range(gen_len):
+            loop.step()
         return (time.perf_counter() - t0) / gen_len
+    torch.cuda.synchronize(model.device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(gen_len):
+        loop.step()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / gen_len
 
 
 def bench(opts: BenchOptions, log: Callable[[str], None] = print) -> dict:

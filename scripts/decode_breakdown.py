@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from qpalette.bench import decode_loop_step_time, load_for_bench, static_cache  # noqa: E402
+from qpalette.bench import DecodeLoop, decode_loop_step_time, load_for_bench  # noqa: E402
 
 KINDS = (  # first match wins: (kind, substrings of the kernel name, lower case)
     ("qpalette matmul", ("qmm_kernel",)),
@@ -46,27 +46,14 @@ def kind_of(name: str) -> str:
 def breakdown(model, batch: int, steps: int, prompt_len: int = 64) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    device = model.device
-    ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), device=device)
-    total = prompt_len + 8 + steps
-    cache = static_cache(model.config, batch, total, device, model.dtype)
-    positions = torch.arange(total, device=device)
-    forward = torch.compile(model.forward)  # inductor, no CUDA graphs: kernels launched one by one
-
-    def step(i, tok):
-        out = forward(input_ids=tok, past_key_values=cache, use_cache=True, cache_position=positions[i:i + 1])
-        return out.logits[:, -1:].argmax(-1)
-
-    with torch.no_grad():
-        tok = model(input_ids=ids, past_key_values=cache, use_cache=True,
-                    cache_position=positions[:prompt_len]).logits[:, -1:].argmax(-1)
-        for i in range(prompt_len, prompt_len + 8):
-            tok = step(i, tok)
+    loop = DecodeLoop(model, batch, prompt_len, 8 + steps, compile="default")  # kernels launched one by one
+    for _ in range(8):
+        loop.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            loop.step()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for i in range(prompt_len + 8, total):
-                tok = step(i, tok)
-            torch.cuda.synchronize()
     per_kind, per_kernel, launches = defaultdict(float), defaultdict(float), defaultdict(int)
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
@@ -83,28 +70,18 @@ def breakdown(model, batch: int, steps: int, prompt_len: int = 64) -> dict:
 
 
 def host_call_time(model, batch: int, calls: int = 20, prompt_len: int = 64) -> float:
-    """Median host seconds of one call of the CUDA-graph-compiled forward (the GPU idle before
-    each call, so the call returns once the replay is queued): the CPU's share of a step."""
+    """Median host seconds of one step of the CUDA-graph-compiled loop (the GPU idle before each,
+    so the call returns once the replay and the argmax are queued): the CPU's share of a step."""
     import statistics
     import time
 
-    device = model.device
-    total = prompt_len + 8 + calls
-    cache = static_cache(model.config, batch, total, device, model.dtype)
-    positions = torch.arange(total, device=device)
-    torch._dynamo.reset()
-    forward = torch.compile(model.forward, mode="reduce-overhead")
-    tok = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    loop = DecodeLoop(model, batch, prompt_len, 8 + calls, compile="reduce-overhead")
     times = []
-    with torch.no_grad():
-        model(input_ids=torch.zeros(batch, prompt_len, dtype=torch.long, device=device), past_key_values=cache,
-              use_cache=True, cache_position=positions[:prompt_len])
-        for i in range(prompt_len, total):
-            torch.cuda.synchronize()
-            torch.compiler.cudagraph_mark_step_begin()
-            t0 = time.perf_counter()
-            forward(input_ids=tok, past_key_values=cache, use_cache=True, cache_position=positions[i:i + 1])
-            times.append(time.perf_counter() - t0)
+    for _ in range(8 + calls):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loop.step()
+        times.append(time.perf_counter() - t0)
     return statistics.median(times[8:])
 
 
@@ -119,7 +96,6 @@ def main() -> None:
         sys.exit("decode_breakdown needs a CUDA GPU")
     model = load_for_bench(Path(a.model), torch.device("cuda"))
     res = {"model": a.model, "batch": a.batch, "device": torch.cuda.get_device_name(), **breakdown(model, a.batch, a.steps)}
-    torch._dynamo.reset()
     res["graph_step_s"] = decode_loop_step_time(model, a.batch, 64, 32, True, 0)
     res["host_call_s"] = host_call_time(model, a.batch)
     res["tensors"] = sum(1 for _ in model.parameters()) + sum(1 for _ in model.buffers())

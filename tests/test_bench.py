@@ -31,3 +31,30 @@ def test_bench_errors(tmp_path):
                       (["bench", "smollm2-135m", "--device", "tpu"], "bad --device")):
         res = runner.invoke(app, args)
         assert res.exit_code == 2 and msg in res.output and "Traceback" not in res.output, res.output
+
+
+def test_decode_loop_equals_generate(tiny_llama_dir):
+    """The timed loop decodes what generate decodes: same logits at every step, same greedy tokens."""
+    import torch
+
+    from qpalette.bench import DecodeLoop, load_for_bench
+
+    model = load_for_bench(tiny_llama_dir, torch.device("cpu"))
+    loop = DecodeLoop(model, batch=2, prompt_len=5, steps=6, seed=3)
+    seen, forward = [], loop.forward
+
+    def recording(**kw):
+        out = forward(**kw)
+        seen.append(out.logits[:, -1])
+        return out
+
+    loop.forward = recording
+    for _ in range(6):
+        loop.step()
+    ids = torch.randint(0, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(3))
+    out = model.generate(ids, max_new_tokens=7, min_new_tokens=7, do_sample=False, cache_implementation="static",
+                         disable_compile=True, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    assert torch.equal(torch.cat(loop.tokens, dim=1), out.sequences[:, 5:])
+    for mine, theirs in zip(seen, out.logits[1:]):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+    assert len(seen) == 6 and loop.pos == 11
