@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
+
+
+def byte_tokenizer():
+    """The 257-token byte-level tokenizer of scripts/make_synthetic_model.py (one definition)."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "make_synthetic_model.py"
+    spec = importlib.util.spec_from_file_location("make_synthetic_model", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.byte_tokenizer()
 
 
 def make_tiny_llama(path, seed: int = 0, model_type: str = "llama", **overrides) -> Path:
@@ -10,20 +20,14 @@ def make_tiny_llama(path, seed: int = 0, model_type: str = "llama", **overrides)
 
     `model_type` llama, mistral, qwen2 (q/k/v biases) or qwen3 (q/k norms) picks the class."""
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {c: i for i, c in enumerate(alphabet)}
-    vocab["<s>"] = len(vocab)
-    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="<s>")
-    cfg = dict(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    tok = byte_tokenizer()
+    n = len(tok)  # 256 bytes + <s>, which is BOS and EOS
+    cfg = dict(vocab_size=n, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-               bos_token_id=len(vocab) - 1, eos_token_id=len(vocab) - 1, tie_word_embeddings=False,
+               bos_token_id=n - 1, eos_token_id=n - 1, tie_word_embeddings=False,
                initializer_range=0.1)
     cfg.update(overrides)
     torch.manual_seed(seed)
