@@ -186,7 +186,7 @@ def speed(folder: Path, figdir: Path) -> list[str]:
     ax.set_xticks(list(x), [b[0] for b in bars])
     ax.set(ylabel="tok/s (batch 1)", title="Llama-3.1-8B shapes, H100, batch 1")
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.tight_layout()
     fig.savefig(figdir / "decode_llama8b.png", dpi=120)
     plt.close(fig)
