@@ -14,11 +14,7 @@ T0=$(date +%s)
 LIMIT=${QP_LIMIT:-570}
 left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
 lim() { local v=$(( $(left) - $1 )); [ $v -lt 10 ] && v=10; echo $v; }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/*.whl $(ls .devcarry/b/wheels/*.whl 2>/dev/null) || exit 1
-export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 QPALETTE_CACHE=/tmp/qpcache
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-exec > >(tee -a "$OUT/log_$1.txt") 2>&1
+source scripts/device_env.sh "log_$1.txt"
 nvidia-smi -L
 QP="python3 -m qpalette.cli calibrate"
 

@@ -10,11 +10,7 @@
 # Local preparation: .devcarry/a/gguf.part0, .devcarry/b/gguf.part1 (split -b 50M of the GGUF),
 # .devcarry/b/wheels/ (gguf wheel), .devcarry/b/wikitext2_raw_test.txt (from ../shared/data).
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/*.whl $(ls .devcarry/b/wheels/*.whl 2>/dev/null) || exit 1
-export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 QPALETTE_CACHE=/tmp/qpcache
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-exec > >(tee -a "$OUT/log_compress_$1.txt") 2>&1
+source scripts/device_env.sh "log_compress_$1.txt"
 nvidia-smi -L
 QP="python3 -m qpalette.cli"
 

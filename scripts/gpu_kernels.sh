@@ -5,11 +5,8 @@
 # bench: scripts/bench_kernels.py on the target entries; benchall: every entry. Logs in $OUT.
 set -uo pipefail
 T0=$(date +%s)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/*.whl || exit 1
-export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 QPALETTE_CACHE=/tmp/qpcache MAX_JOBS=16
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-exec > >(tee -a "$OUT/log.txt") 2>&1
+source scripts/device_env.sh "log.txt"
+export MAX_JOBS=16
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.total --format=csv,noheader
 echo "ninja: $(command -v ninja)"
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(build tests bench)

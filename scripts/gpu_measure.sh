@@ -18,11 +18,7 @@
 #           --random-codes in the background; profiles and plans come back in $OUT/profiles_plans.tar
 set -uo pipefail
 T0=$(date +%s)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/*.whl $(ls .devcarry/b/wheels/*.whl 2>/dev/null) || exit 1
-export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 QPALETTE_CACHE=/tmp/qpcache
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-exec > >(tee -a "$OUT/log_measure.txt") 2>&1
+source scripts/device_env.sh "log_measure.txt"
 QP="python3 -m qpalette.cli"
 S8=results/speed_llama8b
 model_dir() { [ "$1" = fp16 ] && echo /tmp/syn8b || echo /tmp/syn8b_$1; }

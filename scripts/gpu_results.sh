@@ -7,11 +7,7 @@
 #      join + convert SmolLM2-135M; sweep, uniform part (scripts/sweep_smollm2.py)
 #   C  carry=[".whl"]                 bash scripts/gpu_results.sh C   sweep, MSQ part
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/*.whl $(ls .devcarry/b/wheels/*.whl 2>/dev/null) || exit 1
-export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 QPALETTE_CACHE=/tmp/qpcache
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-exec > >(tee -a "$OUT/log_results_$1.txt") 2>&1
+source scripts/device_env.sh "log_results_$1.txt"
 SWEEP="python3 scripts/sweep_smollm2.py --model /tmp/qpcache/gguf-qp_model --text /tmp/wikitext2.txt
   --sens results/calibrate_smollm2/sens_gpu_8k_seed0.json --plans results/sweep_smollm2/plans
   --out /tmp/sweep.json --dtype float16 --resume"
