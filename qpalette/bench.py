@@ -68,13 +68,17 @@ def load_for_bench(path: Path, device: torch.device):
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
 
 
+def random_prompt(model, batch: int, prompt_len: int, seed: int) -> torch.Tensor:
+    """The (batch, prompt_len) token ids both ways of measuring start from, on the model's device."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=g).to(model.device)
+
+
 def decode_step_times(model, batch: int, prompt_len: int, gen_len: int, compile: bool, seed: int) -> list[float]:
     from transformers import StoppingCriteriaList
 
     device = model.device
-    g = torch.Generator().manual_seed(seed)
-    vocab = model.config.vocab_size
-    ids = torch.randint(0, vocab, (batch, prompt_len), generator=g).to(device)
+    ids = random_prompt(model, batch, prompt_len, seed)
     kw = dict(max_new_tokens=gen_len, min_new_tokens=gen_len, do_sample=False,
               cache_implementation="static", disable_compile=not compile,
               pad_token_id=model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0)
@@ -107,8 +111,7 @@ class DecodeLoop:
 
     def __init__(self, model, batch: int, prompt_len: int, steps: int, compile: str | None = None, seed: int = 0):
         device = model.device
-        g = torch.Generator().manual_seed(seed)
-        ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=g).to(device)
+        ids = random_prompt(model, batch, prompt_len, seed)
         self.cache = static_cache(model.config, batch, prompt_len + steps, device, model.dtype)
         self.positions = torch.arange(prompt_len + steps, device=device)
         if compile:

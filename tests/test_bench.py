@@ -37,7 +37,7 @@ def test_decode_loop_equals_generate(tiny_llama_dir):
     """The timed loop decodes what generate decodes: same logits at every step, same greedy tokens."""
     import torch
 
-    from qpalette.bench import DecodeLoop, load_for_bench
+    from qpalette.bench import DecodeLoop, load_for_bench, random_prompt
 
     model = load_for_bench(tiny_llama_dir, torch.device("cpu"))
     loop = DecodeLoop(model, batch=2, prompt_len=5, steps=6, seed=3)
@@ -51,7 +51,7 @@ def test_decode_loop_equals_generate(tiny_llama_dir):
     loop.forward = recording
     for _ in range(6):
         loop.step()
-    ids = torch.randint(0, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(3))
+    ids = random_prompt(model, 2, 5, seed=3)
     out = model.generate(ids, max_new_tokens=7, min_new_tokens=7, do_sample=False, cache_implementation="static",
                          disable_compile=True, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
     assert torch.equal(torch.cat(loop.tokens, dim=1), out.sequences[:, 5:])
