@@ -6,7 +6,7 @@ Importing qpalette registers `quant_method: "qpalette"` with transformers, so th
 
 __version__ = "0.1.0"
 
-from .hf_integration import from_pretrained, register  # noqa: E402
+from qpalette.runtime.hf_quantizer import from_pretrained, register  # noqa: E402
 
 register()
 

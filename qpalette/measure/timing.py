@@ -1,0 +1,123 @@
+"""Timing of the quantized matmul kernels on the local GPU (scripts/bench_kernels.py, profile).
+
+Each measurement captures one CUDA graph that calls the op on `copies` different weight copies
+(enough bytes to flush the L2 cache between uses of one copy), replays it several times and
+reports the median replay time divided by the number of calls: the time of one call as a decode
+step would see it, launch gaps removed by the graph, weights streamed from HBM.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import torch
+
+from qpalette.runtime import ops
+from qpalette.quant.palette import get_quantizer
+
+L2_FLUSH_BYTES = 256 << 20  # bytes of distinct weights a graph cycles through (H100 L2: 50 MB)
+MAX_COPIES = 256
+
+
+def random_layer(name: str, rows: int, cols: int, device="cuda", gen: torch.Generator | None = None):
+    """Stored tensors of a rows×cols layer with random codes (any words are a valid stream)."""
+    q = get_quantizer(name)
+    out = {}
+    for key, (shape, dtype) in q.tensor_specs(rows, cols).items():
+        if dtype == torch.int32:
+            out[key] = torch.randint(-(2**31), 2**31 - 1, shape, dtype=torch.int32, device=device, generator=gen)
+        else:
+            out[key] = (0.5 + torch.rand(shape, device=device, generator=gen)).to(dtype)
+    return out
+
+
+def stored_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def copies_for(nbytes: int) -> int:
+    return max(2, min(MAX_COPIES, math.ceil(L2_FLUSH_BYTES / max(nbytes, 1))))
+
+
+def time_graph(calls, repeats: int = 15) -> float:
+    """Median seconds of one call: `calls` is a list of zero-argument callables."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls[:2]:
+            c()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3 / len(calls))
+    del g
+    return statistics.median(times)
+
+
+def time_quantized(name: str, rows: int, cols: int, batches, dtype=torch.float16,
+                   gen: torch.Generator | None = None) -> tuple[dict[int, float], int]:
+    """{batch: seconds} of ops.quantized_matmul on a rows×cols layer, and its stored bytes."""
+    first = random_layer(name, rows, cols, gen=gen)
+    nbytes = stored_bytes(first)
+    layers = [first] + [random_layer(name, rows, cols, gen=gen) for _ in range(copies_for(nbytes) - 1)]
+    out = {}
+    for m in batches:
+        x = torch.randn(m, cols, device="cuda", dtype=dtype)
+        calls = [lambda t=t: ops.quantized_matmul(x, name, t, (rows, cols)) for t in layers]
+        out[m] = time_graph(calls)
+    del layers
+    return out, nbytes
+
+
+def time_fp16(rows: int, cols: int, batches, dtype=torch.float16) -> dict[int, float]:
+    """{batch: seconds} of the dense cuBLAS matmul x · Wᵀ (F.linear) in `dtype`."""
+    nbytes = rows * cols * 2
+    ws = [torch.randn(rows, cols, device="cuda", dtype=dtype) for _ in range(copies_for(nbytes))]
+    out = {}
+    for m in batches:
+        x = torch.randn(m, cols, device="cuda", dtype=dtype)
+        out[m] = time_graph([lambda w=w: torch.nn.functional.linear(x, w) for w in ws])
+    del ws
+    return out
+
+
+def time_rotate(n: int, batches, dtype=torch.float16) -> dict[int, float]:
+    from qpalette.quant.incoherence import pack_signs, random_signs
+
+    signs = pack_signs(random_signs(n, seed=0)).cuda()
+    out = {}
+    for m in batches:
+        xs = [torch.randn(m, n, device="cuda", dtype=dtype) for _ in range(8)]
+        out[m] = time_graph([lambda x=x: ops.rotate(x, signs) for x in xs])
+    return out
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Bytes/s of a device-to-device copy, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del src, dst
+    return 2 * nbytes / statistics.median(times)

@@ -1,0 +1,177 @@
+"""Linear-layer shapes of Llama-style decoder models, from a Hugging Face config.json alone.
+
+No weights, no hub, no torch: `qpalette plan` and the compressor use this to know which linear
+layers a model has ([out_features, in_features], block, kind), which layers share an input (and so
+one sign vector, docs/method.md §1), and how many parameters stay unquantized (embeddings, lm_head, norms,
+biases).
+
+Supported: Llama, Mistral, Qwen2 and Qwen3 style decoders (dense, no MoE). Their layers are named
+`model.layers.{i}.self_attn.{q,k,v,o}_proj` and `model.layers.{i}.mlp.{gate,up,down}_proj`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from qpalette.fileio import read_json_object
+
+KINDS = ("q", "k", "v", "o", "gate", "up", "down")
+#: layers that read the same input share one sign vector and one online transform
+INPUT_GROUPS = {"q": "qkv", "k": "qkv", "v": "qkv", "o": "o", "gate": "gateup", "up": "gateup",
+                "down": "down"}
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+UNQUANTIZED_BYTES_PER_PARAM = 2  # embeddings, lm_head, norms, biases stay in fp16/bf16
+
+_NAME_RE = re.compile(
+    r"^(?P<prefix>.*?)layers\.(?P<block>\d+)\.(?:self_attn|mlp)\.(?P<kind>q|k|v|o|gate|up|down)_proj$"
+)
+
+
+class ArchitectureError(ValueError):
+    """A model config (or layer list) qpalette cannot use; the message says what and why."""
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    name: str
+    out_features: int
+    in_features: int
+    block: int
+    kind: str  # q, k, v, o, gate, up, down
+
+    @property
+    def numel(self) -> int:
+        return self.out_features * self.in_features
+
+    @property
+    def input_group(self) -> str:
+        return INPUT_GROUPS[self.kind]
+
+
+def layer_name(block: int, kind: str) -> str:
+    part = "self_attn" if kind in ("q", "k", "v", "o") else "mlp"
+    return f"model.layers.{block}.{part}.{kind}_proj"
+
+
+def parse_layer_name(name: str) -> tuple[int, str]:
+    """(block, kind) of a Llama-style linear layer name; ArchitectureError otherwise."""
+    m = _NAME_RE.match(name)
+    if not m:
+        raise ArchitectureError(
+            f"layer name {name!r} is not a Llama-style projection "
+            "(model.layers.N.self_attn.{q,k,v,o}_proj or model.layers.N.mlp.{gate,up,down}_proj)"
+        )
+    return int(m["block"]), m["kind"]
+
+
+def load_config(path: str | Path) -> dict:
+    """config.json of a local Hugging Face model directory (or the file itself)."""
+    p = Path(path)
+    f = p / "config.json" if p.is_dir() else p
+    if not f.is_file():
+        if p.is_dir():
+            raise ArchitectureError(f"{p} has no config.json; is it a Hugging Face model directory?")
+        raise ArchitectureError(f"model {str(path)!r}: no such directory or config.json file")
+    cfg = read_json_object(f, "model config", ArchitectureError)
+    if "text_config" in cfg and "hidden_size" not in cfg:  # multimodal wrapper
+        cfg = cfg["text_config"]
+    return cfg
+
+
+def _get(cfg: dict, key: str) -> int:
+    v = cfg.get(key)
+    if not isinstance(v, int) or v <= 0:
+        raise ArchitectureError(f"config.json: {key!r} missing or not a positive integer ({v!r})")
+    return v
+
+
+def check_config(cfg: dict) -> None:
+    mt = cfg.get("model_type")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise ArchitectureError(
+            f"model_type {mt!r} is not supported; qpalette knows {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    for moe_key in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if cfg.get(moe_key):
+            raise ArchitectureError(f"mixture-of-experts models ({moe_key}) are not supported")
+
+
+def dims(cfg: dict) -> dict[str, int]:
+    check_config(cfg)
+    hidden = _get(cfg, "hidden_size")
+    heads = _get(cfg, "num_attention_heads")
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or hidden // heads
+    return {
+        "hidden": hidden,
+        "intermediate": _get(cfg, "intermediate_size"),
+        "heads": heads,
+        "kv_heads": int(kv_heads),
+        "head_dim": int(head_dim),
+        "blocks": _get(cfg, "num_hidden_layers"),
+        "vocab": _get(cfg, "vocab_size"),
+    }
+
+
+def linear_layers(cfg: dict) -> list[LayerShape]:
+    """Every quantizable linear layer, block by block in q, k, v, o, gate, up, down order."""
+    d = dims(cfg)
+    shapes = {
+        "q": (d["heads"] * d["head_dim"], d["hidden"]),
+        "k": (d["kv_heads"] * d["head_dim"], d["hidden"]),
+        "v": (d["kv_heads"] * d["head_dim"], d["hidden"]),
+        "o": (d["hidden"], d["heads"] * d["head_dim"]),
+        "gate": (d["intermediate"], d["hidden"]),
+        "up": (d["intermediate"], d["hidden"]),
+        "down": (d["hidden"], d["intermediate"]),
+    }
+    return [
+        LayerShape(layer_name(b, k), *shapes[k], b, k) for b in range(d["blocks"]) for k in KINDS
+    ]
+
+
+def unquantized_params(cfg: dict) -> dict[str, int]:
+    """Parameter counts of what stays unquantized (per module kind, summed over blocks)."""
+    d = dims(cfg)
+    h, n = d["hidden"], d["blocks"]
+    q_out, kv_out = d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
+    out = {"embed_tokens": d["vocab"] * h}
+    if not cfg.get("tie_word_embeddings", False):
+        out["lm_head"] = d["vocab"] * h
+    out["norms"] = (2 * n + 1) * h
+    if cfg.get("model_type") == "qwen3":
+        out["qk_norms"] = 2 * n * d["head_dim"]
+    attn_bias = cfg.get("attention_bias", cfg.get("model_type") == "qwen2")
+    if attn_bias:
+        out["attention_bias"] = n * (q_out + 2 * kv_out)
+        if cfg.get("model_type") != "qwen2":  # Llama's attention_bias also covers o_proj
+            out["attention_bias"] += n * h
+    if cfg.get("mlp_bias"):
+        out["mlp_bias"] = n * (2 * d["intermediate"] + h)
+    return out
+
+
+def layers_from_shapes(shapes: dict[str, tuple[int, int]]) -> list[LayerShape]:
+    """LayerShapes from {name: [out, in]} (e.g. a sensitivity file), sorted by block and kind."""
+    layers = []
+    for name, shape in shapes.items():
+        b, k = parse_layer_name(name)
+        if (
+            not isinstance(shape, (list, tuple))
+            or len(shape) != 2
+            or not all(isinstance(x, int) and x > 0 for x in shape)
+        ):
+            raise ArchitectureError(f"layer {name}: shape {shape!r} is not [out, in]")
+        layers.append(LayerShape(name, shape[0], shape[1], b, k))
+    layers.sort(key=lambda l: (l.block, KINDS.index(l.kind)))
+    return layers
+
+
+def sign_vector_bytes(layers: list[LayerShape]) -> int:
+    """One bit-packed ±1 vector (in_features/8 bytes) per input group of each block."""
+    seen: dict[tuple[int, str], int] = {}
+    for l in layers:
+        seen[(l.block, l.input_group)] = l.in_features
+    return sum((n + 7) // 8 for n in seen.values())

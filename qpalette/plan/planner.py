@@ -1,0 +1,273 @@
+"""`qpalette plan`: load the inputs, check they agree, build and solve the program, make the plan.
+
+Everything a user can get wrong raises a `UserError` subclass with a message naming what is
+wrong; the CLI prints it without a traceback.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from qpalette.models.topology import (
+    ArchitectureError,
+    dims,
+    layers_from_shapes,
+    linear_layers,
+    load_config,
+    unquantized_params,
+)
+from qpalette.plan.budget import Budget, BudgetError, parse_budgets
+from qpalette.quant.palette import FAMILIES, UnknownQuantizer, get_quantizer, palette_entries
+from qpalette.plan.inputs import (
+    InputError,
+    find_shipped_profile,
+    load_distortion,
+    load_latency,
+    load_sensitivity,
+    sha256_file,
+    shipped_latency_profiles,
+)
+from qpalette.plan.document import PlanFileError, make_plan
+from qpalette.plan.program import PlanError, build_problem, check_latency_profile, solve
+
+USER_ERRORS = (ArchitectureError, BudgetError, InputError, PlanError, PlanFileError, UnknownQuantizer)
+
+
+def parse_palette(specs: list[str] | None) -> tuple[list, bool]:
+    """Palette entries from families and/or entry names (comma lists); (entries, explicit)."""
+    if not specs:
+        return palette_entries(), False
+    out = []
+    for spec in specs:
+        for part in spec.split(","):
+            p = part.strip().lower()
+            if not p:
+                continue
+            if p in FAMILIES:
+                out += palette_entries((p,))
+            else:
+                out.append(get_quantizer(p))
+    seen, uniq = set(), []
+    for q in out:
+        if q.name not in seen:
+            seen.add(q.name)
+            uniq.append(q)
+    if not uniq:
+        raise InputError("--palette selected no entries")
+    return uniq, True
+
+
+@dataclass
+class ModelInfo:
+    layers: list
+    unquantized: int | None
+    info: dict
+
+
+def _from_config(model: str, cfgfile: Path, sens) -> ModelInfo:
+    cfg = load_config(cfgfile)
+    layers = linear_layers(cfg)
+    unq = unquantized_params(cfg)
+    d = dims(cfg)
+    return ModelInfo(layers, sum(unq.values()), {
+        "name": cfg.get("_name_or_path") or (sens.model if sens else None) or str(model),
+        "source": str(model),
+        "config_sha256": sha256_file(cfgfile),
+        "model_type": cfg.get("model_type"),
+        "blocks": d["blocks"],
+        "unquantized_params": unq,
+    })
+
+
+def resolve_model(model: str | None, sens) -> ModelInfo:
+    """Layer shapes from (in order): a local model directory or config.json (or a .gguf/.whl
+    that models.py converts); qpalette's embedded default models (models.py; fetched once if not
+    cached); the sensitivity file's shapes when MODEL is omitted or names the model it was
+    measured on. Never downloads from the Hugging Face hub."""
+    if model is not None:
+        p = Path(model).expanduser()
+        if p.is_dir() and (p / "config.json").is_file():
+            return _from_config(model, p / "config.json", sens)
+        if p.is_file() and p.suffix == ".json":
+            return _from_config(model, p, sens)
+        if p.exists():
+            return _from_models(model, sens)
+    notes = []
+    if model is not None:
+        from qpalette.models import sources as models
+
+        if models.ALIASES.get(model.lower(), model.lower()) in models.DEFAULT_MODELS:
+            try:
+                return _from_models(model, sens)
+            except ArchitectureError as e:
+                if sens is None or not sens.shapes:
+                    raise
+                notes.append(f"{e}; using the sensitivity file's layer shapes")
+    if sens is not None and (model is None or model == sens.model or notes):
+        lacking = [n for n in sens.coefficients if n not in sens.shapes]
+        if not lacking:
+            layers = layers_from_shapes(sens.shapes)
+            return ModelInfo(layers, None, {
+                "name": sens.model, "source": f"layer shapes of {sens.path}",
+                "blocks": len({l.block for l in layers}), "unquantized_params": None,
+                "notes": notes,
+            })
+    if model is None:
+        raise ArchitectureError(
+            "no MODEL given and the sensitivity file does not list every layer's shape; "
+            "pass the model directory or its config.json"
+        )
+    raise ArchitectureError(
+        f"model {model!r}: no such directory or config.json (plan never downloads from the hub; "
+        "pass a local Hugging Face model directory or its config.json"
+        + (f"; the sensitivity file is for {sens.model!r}" if sens and sens.model else "") + ")"
+    )
+
+
+def _from_models(model: str, sens) -> ModelInfo:
+    from qpalette.models import sources as models
+
+    try:
+        d = models.resolve_model(model)
+    except models.ModelError as e:
+        raise ArchitectureError(str(e)) from None
+    return _from_config(model, Path(d) / "config.json", sens)
+
+
+def match_sensitivity(layers, sens) -> list[float]:
+    names = {l.name for l in layers}
+    missing = [l.name for l in layers if l.name not in sens.coefficients]
+    extra = [n for n in sens.coefficients if n not in names]
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} model layer(s) have no coefficient (e.g. {missing[0]})")
+        if extra:
+            parts.append(f"{len(extra)} coefficient(s) name no layer of the model (e.g. {extra[0]})")
+        raise InputError(f"sensitivity file {sens.path} does not match the model: " + "; ".join(parts))
+    for l in layers:
+        s = sens.shapes.get(l.name)
+        if s is not None and tuple(s) != (l.out_features, l.in_features):
+            raise InputError(
+                f"sensitivity file {sens.path}: layer {l.name} is {s[0]}×{s[1]} there but "
+                f"{l.out_features}×{l.in_features} in the model"
+            )
+    return [sens.coefficients[l.name] for l in layers]
+
+
+def plan(
+    model: str | None,
+    budget_texts: list[str],
+    *,
+    sensitivity: str | None,
+    latency_profile: str | None = None,
+    distortion: str | None = None,
+    palette: list[str] | None = None,
+    fuse: bool = True,
+    batch_size: int | None = None,
+    time_limit_s: float = 60.0,
+    command: str | None = None,
+) -> dict:
+    t0 = time.time()
+    budgets: list[Budget] = parse_budgets(budget_texts)
+    if sensitivity is None:
+        raise InputError(
+            "plan needs sensitivity coefficients: run `qpalette calibrate MODEL -o sens.json` "
+            "and pass --sensitivity sens.json"
+        )
+    sens = load_sensitivity(sensitivity)
+    mi = resolve_model(model, sens)
+    a = match_sensitivity(mi.layers, sens)
+    dist = load_distortion(distortion)
+    entries, explicit = parse_palette(palette)
+    notes = list(sens.warnings) + mi.info.pop("notes", [])
+
+    speed = any(b.kind == "latency" for b in budgets)
+    prof = load_latency(latency_profile) if latency_profile else None
+    if speed and prof is None:
+        prof = find_shipped_profile(mi.layers, batch_size, check_latency_profile)
+        if prof is None:
+            shipped = ", ".join(p.name for p in shipped_latency_profiles()) or "none"
+            raise InputError(
+                "a speed budget (tok/s or ms) needs a latency profile for this model's shapes at "
+                f"batch {batch_size or 1}: measure one with `qpalette profile MODEL` on your GPU and "
+                f"pass --latency-profile (shipped: {shipped})"
+            )
+        notes.append(f"latency profile: the shipped {Path(prof.path).name} ({prof.device}), "
+                     "chosen because its shapes match; pass --latency-profile to use your own GPU's")
+    if prof is not None:
+        if batch_size is not None and batch_size != prof.batch_size:
+            raise InputError(
+                f"latency profile {prof.path} was measured at batch size {prof.batch_size}, "
+                f"not {batch_size}; measure or pick a profile for batch {batch_size}"
+            )
+        have = prof.quantizers()
+        absent = [q.name for q in entries if q.name not in have]
+        if absent and speed:
+            if explicit:
+                raise InputError(
+                    f"latency profile {prof.path} has no latencies for {', '.join(absent)}"
+                )
+            entries = [q for q in entries if q.name in have]
+            notes.append(
+                f"palette entries without latencies in the profile left out: {', '.join(absent)}"
+            )
+    missing_err = [q.name for q in entries if q.name not in dist.rows]
+    if missing_err:
+        if explicit:
+            raise InputError(f"distortion table {dist.path} has no entry for {', '.join(missing_err)}")
+        entries = [q for q in entries if q.name in dist.rows]
+        notes.append(f"palette entries not in the distortion table left out: {', '.join(missing_err)}")
+    if not entries:
+        raise InputError("no palette entry is left to plan with")
+    problem = build_problem(
+        mi.layers, a, entries, {q.name: dist.rows[q.name].nmse for q in entries},
+        latency=prof, use_latency=speed, fuse=fuse, unquantized_params=mi.unquantized,
+        active=tuple(b.kind for b in budgets),
+    )
+    solution = solve(problem, budgets, time_limit_s)
+
+    def inp(path, sha):
+        return {"path": str(path), "sha256": sha}
+
+    inputs = {
+        "sensitivity": inp(sens.path, sens.sha256) | {
+            "model": sens.model, "protocol": sens.meta.get("protocol"), "tokens": sens.meta.get("tokens")},
+        "distortion": inp(dist.path, dist.sha256),
+        "latency_profile": None if prof is None else inp(prof.path, prof.sha256) | {
+            "model": prof.model, "device": prof.device, "batch_size": prof.batch_size},
+        "model_config": {"source": mi.info.get("source"), "sha256": mi.info.get("config_sha256")},
+        "qpalette_version": _version(),
+        "python": platform.python_version(),
+        "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "wall_time_s": None,
+        "command": command or " ".join(sys.argv),
+    }
+    result = make_plan(
+        problem, solution, budgets, fuse=fuse,
+        model={k: v for k, v in mi.info.items() if k != "config_sha256"},
+        inputs=inputs,
+        options={
+            "palette": [q.name for q in entries],
+            "fuse": fuse,
+            "batch_size": prof.batch_size if prof else batch_size,
+            "time_limit_s": time_limit_s,
+        },
+        notes=notes,
+    )
+    result["provenance"]["wall_time_s"] = time.time() - t0
+    return result
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("qpalette")
+    except Exception:  # noqa: BLE001 - not installed: running from a checkout
+        return "unknown"

@@ -1,0 +1,14 @@
+"""The quantizer palette (docs/method.md §2)."""
+
+from qpalette.quant.palette.base import QuantizedMatrix, Quantizer
+from qpalette.quant.palette.registry import FAMILIES, PALETTE, UnknownQuantizer, get_quantizer, palette_entries
+
+__all__ = [
+    "FAMILIES",
+    "PALETTE",
+    "QuantizedMatrix",
+    "Quantizer",
+    "UnknownQuantizer",
+    "get_quantizer",
+    "palette_entries",
+]

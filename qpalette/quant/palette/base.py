@@ -1,0 +1,112 @@
+"""What every palette entry is: a name, bits per weight, quantize → packed tensors, dequantize.
+
+Quantizers work in the rotated domain (incoherence processing is done by the caller, since
+fused layers share one rotation) and own the per-row scaling of docs/method.md §1–§2: each row is
+divided by RMS(row)/target, the scale stored in fp16 and multiplied back by dequantize.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+from qpalette.quant.tiles import TILE, check_tileable
+
+
+@dataclass
+class QuantizedMatrix:
+    """Packed result of one quantizer on one (rows × cols) matrix: tensors as stored on disk."""
+
+    quantizer: str
+    shape: tuple[int, int]
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def row_scale(self) -> torch.Tensor:
+        return self.tensors["row_scale"]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+class Quantizer(ABC):
+    family: str
+    bits: float
+    #: codebook names (profiles/codebooks.safetensors) this entry reads
+    codebooks: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return f"{self.family}-{format_bits(self.family, self.bits)}"
+
+    def __repr__(self) -> str:
+        return f"<quantizer {self.name}>"
+
+    # -- shape and storage -------------------------------------------------------------------
+    def check_shape(self, rows: int, cols: int) -> None:
+        """Raise tiles.UnsupportedShape if the packed format cannot hold this matrix."""
+        check_tileable(rows, cols)
+
+    def code_words_per_tile(self) -> int:
+        """int32 words of one 16×16 tile: 256·bits bits."""
+        return int(round(256 * self.bits)) // 32
+
+    def tensor_specs(self, rows: int, cols: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Name → (shape, dtype) of every tensor `quantize` stores for a rows×cols matrix, so a
+        module can allocate matching buffers before loading a checkpoint."""
+        self.check_shape(rows, cols)
+        return {
+            "codes": ((rows // TILE, cols // TILE, self.code_words_per_tile()), torch.int32),
+            "row_scale": ((rows,), torch.float16),
+        }
+
+    def stored_bytes(self, rows: int, cols: int) -> int:
+        """Bytes this entry writes for a rows×cols matrix: codes + fp16 row scales."""
+        return sum(
+            math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+            for shape, dtype in self.tensor_specs(rows, cols).values()
+        )
+
+    # -- numerics ----------------------------------------------------------------------------
+    @abstractmethod
+    def row_target(self) -> float:
+        """RMS each row is scaled to before coding."""
+
+    @abstractmethod
+    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Codes for a row-normalised matrix x (rows × cols, float32)."""
+
+    @abstractmethod
+    def decode(self, tensors: dict[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
+        """Row-normalised reconstruction (float32) from the code tensors."""
+
+    def quantize(self, w: torch.Tensor, row_scale: torch.Tensor | None = None) -> QuantizedMatrix:
+        """Quantize w (rows × cols) on its own device; `row_scale` reuses given fp16 scales."""
+        rows, cols = w.shape
+        self.check_shape(rows, cols)
+        w = w.float()
+        if row_scale is None:
+            rms = w.pow(2).mean(dim=1).sqrt()
+            row_scale = (rms / self.row_target()).to(torch.float16)
+        scale = row_scale.to(w.device, torch.float32)
+        x = w / torch.where(scale == 0, torch.ones_like(scale), scale).unsqueeze(1)
+        tensors = self.encode(x)
+        tensors["row_scale"] = row_scale.to(w.device, torch.float16)
+        return QuantizedMatrix(self.name, (rows, cols), tensors)
+
+    def dequantize(self, q: QuantizedMatrix) -> torch.Tensor:
+        if q.quantizer != self.name:
+            raise ValueError(f"{q.quantizer} codes given to {self.name}")
+        x = self.decode(q.tensors, q.shape)
+        return x * q.row_scale.to(x.device, torch.float32).unsqueeze(1)
+
+
+def format_bits(family: str, bits: float) -> str:
+    if family == "nuq":
+        return str(int(bits))
+    if family == "half-tcq":
+        return f"{bits:.2f}"
+    return f"{bits:.1f}"

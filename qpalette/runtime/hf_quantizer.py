@@ -1,0 +1,121 @@
+"""transformers integration: `quant_method: "qpalette"` checkpoints load with from_pretrained.
+
+`register()` runs on `import qpalette` (and is idempotent): it adds `QpaletteConfig` and
+`QpaletteHfQuantizer` to transformers' quantization registries. Before the weights are read,
+the quantizer swaps the planned nn.Linear layers of the meta-device skeleton for qpalette
+modules whose buffers match the stored tensors (`checkpoint.convert_model`); after loading it
+checks that the checkpoint's codebooks are the ones this qpalette decodes with.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
+from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from qpalette.runtime.checkpoint import (
+    CODEBOOKS_MODULE,
+    QUANT_METHOD,
+    CheckpointError,
+    Layout,
+    convert_model,
+    dequantize_model,
+    verify_shard,
+)
+
+
+class QpaletteConfig(QuantizationConfigMixin):
+    """The `quantization_config` of a qpalette checkpoint (written by `qpalette compress`)."""
+
+    def __init__(self, layers: dict | None = None, groups: dict | None = None, sign_seed: int = 0,
+                 codebooks: list | None = None, format: str | None = None,
+                 qpalette_version: str | None = None, **kwargs):
+        self.quant_method = QUANT_METHOD
+        self.format = format
+        self.qpalette_version = qpalette_version
+        self.sign_seed = sign_seed
+        self.layers = dict(layers or {})
+        self.groups = dict(groups or {})
+        self.codebooks = list(codebooks or [])
+        for k, v in kwargs.items():  # forward-compatible: keep fields we do not use
+            setattr(self, k, v)
+
+    def layout(self) -> Layout:
+        return Layout.from_config(self.to_dict())
+
+
+class QpaletteHfQuantizer(HfQuantizer):
+    """Loads pre-quantized qpalette checkpoints (quantizing happens in `qpalette compress`)."""
+
+    requires_calibration = True
+    quantization_config: QpaletteConfig
+
+    def validate_environment(self, *args, **kwargs):
+        if not self.pre_quantized:
+            raise ValueError(
+                "qpalette quantizes with `qpalette compress MODEL --plan/--scheme -o DIR`, not "
+                "inside from_pretrained; load the compressed DIR instead"
+            )
+
+    def _process_model_before_weight_loading(self, model, **kwargs):
+        for f in kwargs.get("checkpoint_files") or []:
+            verify_shard(f)
+        layout = self.quantization_config.layout()
+        convert_model(model, layout, dtype=kwargs.get("dtype") or model.dtype)
+        return model
+
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        stale = getattr(model, CODEBOOKS_MODULE).mismatches()
+        if stale:
+            raise CheckpointError(
+                f"this checkpoint's codebooks {stale} differ from the ones qpalette "
+                f"{self.quantization_config.qpalette_version or '?'} decodes with; load it with "
+                "the qpalette version that wrote it"
+            )
+        return model
+
+    def _dequantize(self, model, dtype=None):
+        return dequantize_model(model, self.quantization_config.layout(), dtype or torch.float32)
+
+    def is_serializable(self, *args, **kwargs):
+        return True
+
+    @property
+    def is_trainable(self) -> bool:
+        return False
+
+    @property
+    def is_compileable(self) -> bool:
+        return True
+
+
+def register() -> None:
+    """Add qpalette to transformers' registries; a second call (or re-import) is a no-op."""
+    if QUANT_METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:
+        register_quantization_config(QUANT_METHOD)(QpaletteConfig)
+    if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
+        register_quantizer(QUANT_METHOD)(QpaletteHfQuantizer)
+
+
+def from_pretrained(path: str | Path, device: str | torch.device | None = None,
+                    dtype: torch.dtype | None = None, **kwargs):
+    """Load a qpalette checkpoint: CUDA + fp16 when a GPU is present, else CPU + float32."""
+    from transformers import AutoModelForCausalLM
+
+    register()
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dtype is None:
+        dtype = torch.float16 if device.type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **kwargs)
+    qc = getattr(model.config, "quantization_config", None)
+    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    if method != QUANT_METHOD:
+        raise CheckpointError(f"{path} is not a qpalette checkpoint (quant_method {method!r})")
+    model = model.to(device).eval()
+    if device.type == "cuda":  # allocate the kernels' tables and workspace before any compile
+        with torch.no_grad():
+            model(torch.zeros(1, 1, dtype=torch.long, device=device))
+    return model

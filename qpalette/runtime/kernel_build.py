@@ -1,0 +1,112 @@
+"""Build and load the CUDA kernels (sources in qpalette/runtime/cuda/) on first use.
+
+The extension is compiled with torch.utils.cpp_extension for the compute capability of the GPU
+at hand (sm_80 or newer: cp.async and mma.m16n8k16) into `$QPALETTE_CACHE/kernels` (default
+`~/.cache/qpalette/kernels`), one folder per hash of the sources, architecture and torch build,
+so a later process loads it without compiling. CPU-only installs never touch this module's build.
+`QPALETTE_KERNELS=0` turns the kernels off (the ops fall back to the PyTorch reference);
+`QPALETTE_KERNELS_VERBOSE=1` shows the compiler's output.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import warnings
+from pathlib import Path
+
+SOURCE_SUFFIXES = (".cu", ".cuh", ".h", ".cpp")
+
+
+class KernelBuildError(RuntimeError):
+    pass
+
+
+def source_dir() -> Path:
+    """The CUDA sources, shipped beside this module (qpalette/runtime/cuda/)."""
+    return Path(__file__).resolve().parent / "cuda"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("QPALETTE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "qpalette")
+    return Path(root) / "kernels"
+
+
+def sources(folder: Path | None = None) -> list[Path]:
+    folder = folder or source_dir()
+    return sorted(p for p in folder.iterdir() if p.suffix in SOURCE_SUFFIXES)
+
+
+def _digest(files: list[Path], arch: str) -> str:
+    import torch
+
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    h.update(f"{arch}|{torch.__version__}|{torch.version.cuda}".encode())
+    return h.hexdigest()[:16]
+
+
+def arch_of(device=None) -> str:
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{major}{minor}"
+
+
+@functools.lru_cache(maxsize=None)
+def _load(arch: str):
+    from torch.utils import cpp_extension
+
+    if int(arch) < 80:
+        raise KernelBuildError(f"the kernels need compute capability 8.0 or newer (this GPU: sm_{arch})")
+    files = sources()
+    name = f"qpalette_kernels_{_digest(files, arch)}"
+    build = cache_dir() / name
+    build.mkdir(parents=True, exist_ok=True)
+    compiled = [str(f) for f in files if f.suffix in (".cu", ".cpp")]
+    verbose = os.environ.get("QPALETTE_KERNELS_VERBOSE", "") not in ("", "0")
+    try:
+        return cpp_extension.load(
+            name=name,
+            sources=compiled,
+            extra_cflags=["-O2", "-std=c++17"],
+            extra_cuda_cflags=[
+                "-O3",
+                "-std=c++17",
+                f"-gencode=arch=compute_{arch},code=sm_{arch}",
+                "-lineinfo",
+            ],
+            build_directory=str(build),
+            verbose=verbose,
+        )
+    except Exception as e:  # compiler missing, build error, …
+        raise KernelBuildError(f"building the qpalette CUDA kernels for sm_{arch} failed: {e}") from e
+
+
+def extension(device=None):
+    """The compiled module for `device`'s architecture (builds on first use; raises KernelBuildError)."""
+    return _load(arch_of(device))
+
+
+@functools.lru_cache(maxsize=None)
+def _available(arch: str) -> bool:
+    try:
+        _load(arch)
+        return True
+    except KernelBuildError as e:
+        warnings.warn(f"{e}; using the PyTorch reference path", stacklevel=3)
+        return False
+
+
+def available(device=None) -> bool:
+    """True when the kernels are enabled, a CUDA device is present and the extension builds."""
+    if os.environ.get("QPALETTE_KERNELS", "1") == "0":
+        return False
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    return _available(arch_of(device))

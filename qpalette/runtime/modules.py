@@ -1,0 +1,180 @@
+"""The modules a compressed checkpoint loads into: rotation, quantized linear, fused-group slice.
+
+A block's linear layers that read the same activation ({q,k,v}, {gate,up}) share one sign
+vector, so one `InputRotation` per input group computes H(s ⊙ x) once and every layer of the
+group reuses it. A fused group ({q,k,v} with one quantizer, say) is one `QuantizedLinear` on the
+row-concatenated matrix, registered beside the layers it replaces (`self_attn.qkv_proj`); the
+original names (`q_proj`, …) become `FusedSlice`s that return their rows of the group's single
+matmul. Results are reused only within one call of the parent module (attention or MLP): a
+forward hook on the parent drops them (`install_cache_reset`).
+
+Buffers carry exactly the names, shapes and dtypes of the stored tensors (`Quantizer.
+tensor_specs`, bit-packed `signs`), so a module built empty (on the meta device) loads a
+checkpoint as it is. fp16 buffers (row scales, codebooks) keep their dtype through
+`model.to(dtype)`/`.half()`: a cast would change the stored numbers. Nothing here subclasses
+`nn.Linear`: transformers re-initialises those.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from qpalette.runtime import ops
+from qpalette.quant.codebooks import codebook
+from qpalette.quant.incoherence import pack_signs
+from qpalette.quant.palette import get_quantizer
+
+
+class _KeepsFp16(nn.Module):
+    """Moves fp16 buffers between devices but never casts them (`.to(dtype)`, `.half()`)."""
+
+    def _apply(self, fn, recurse=True):
+        fp16 = [n for n, b in self._buffers.items() if b is not None and b.dtype == torch.float16]
+        for n in fp16:  # an integer view is moved by .to(device) and left alone by .to(dtype)
+            self._buffers[n] = self._buffers[n].view(torch.int16)
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            for n in fp16:
+                self._buffers[n] = self._buffers[n].view(torch.float16)
+
+
+class _CallCache:
+    """One remembered (input, output) pair, valid until the parent module's call ends."""
+
+    def _cached(self, x: torch.Tensor, compute) -> torch.Tensor:
+        hit = self.__dict__.get("_cache")
+        if hit is not None and hit[0] is x:
+            return hit[1]
+        y = compute(x)
+        self.__dict__["_cache"] = (x, y)
+        return y
+
+    def reset_cache(self) -> None:
+        self.__dict__["_cache"] = None
+
+
+class InputRotation(_CallCache, nn.Module):
+    """H(s ⊙ x) for one input group of one block; `signs` bit-packed (in/8 bytes)."""
+
+    def __init__(self, in_features: int):
+        super().__init__()
+        self.in_features = in_features
+        self.register_buffer("signs", torch.zeros(in_features // 8, dtype=torch.uint8))
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}"
+
+    @classmethod
+    def from_signs(cls, signs: torch.Tensor) -> "InputRotation":
+        mod = cls(signs.numel())
+        mod.signs.copy_(pack_signs(signs))
+        return mod
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops.prepare(x)
+        return self._cached(x, lambda t: ops.rotate(t, self.signs))
+
+
+class QuantizedLinear(_CallCache, _KeepsFp16):
+    """y = W_r · H(s ⊙ x) + b with W_r = decode(codes) ⊙ row_scale, via `qpalette.ops`."""
+
+    def __init__(self, in_features: int, out_features: int, quantizer: str, bias: bool = False,
+                 dtype: torch.dtype | None = None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.quantizer = get_quantizer(quantizer)
+        self.tensor_names = tuple(self.quantizer.tensor_specs(out_features, in_features))
+        for name, (shape, dt) in self.quantizer.tensor_specs(out_features, in_features).items():
+            self.register_buffer(name, torch.zeros(shape, dtype=dt))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
+        self.rotation: InputRotation | None = None
+
+    def __setattr__(self, name, value):
+        if name == "rotation":  # shared with other layers: a reference, not a child module
+            self.__dict__[name] = value
+        else:
+            super().__setattr__(name, value)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}→{self.out_features}, {self.quantizer.name}"
+
+    def stored_tensors(self) -> dict[str, torch.Tensor]:
+        return {n: getattr(self, n) for n in self.tensor_names}
+
+    def rotated_weight(self) -> torch.Tensor:
+        """W_r = decode(codes) ⊙ row_scale in float32: the weight in the rotated domain."""
+        return ops.dequantize(self.quantizer.name, self.stored_tensors(),
+                              (self.out_features, self.in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rotation is None:
+            raise RuntimeError("QuantizedLinear has no InputRotation attached")
+        ops.prepare(x, self.quantizer.name, self.out_features)
+        y = ops.quantized_matmul(self.rotation(x), self.quantizer.name, self.stored_tensors(),
+                                 (self.out_features, self.in_features))
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y
+
+    def shared_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """forward(x), computed once per parent call for the slices of a fused group."""
+        return self._cached(x, self.forward)
+
+
+class FusedSlice(nn.Module):
+    """Rows [start, stop) of a fused group's output; holds no tensors of its own."""
+
+    def __init__(self, group: QuantizedLinear, start: int, stop: int):
+        super().__init__()
+        self.__dict__["group"] = group  # the group is registered on the parent, not here
+        self.start, self.stop = start, stop
+
+    def extra_repr(self) -> str:
+        return f"rows {self.start}:{self.stop} of a fused {self.group.quantizer.name} group"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.shared_forward(x)[..., self.start : self.stop]
+
+
+class Codebooks(_KeepsFp16):
+    """The codebooks a checkpoint uses, stored once, fp16 (`tcq.q9` → buffer `tcq_q9`)."""
+
+    def __init__(self, names: list[str]):
+        super().__init__()
+        self.names = tuple(names)
+        for n in self.names:
+            self.register_buffer(buffer_name(n), codebook(n).to(torch.float16))
+
+    def extra_repr(self) -> str:
+        return ", ".join(self.names)
+
+    def mismatches(self) -> list[str]:
+        """Codebooks whose stored values differ from the ones this qpalette decodes with."""
+        return [
+            n for n in self.names
+            if not torch.equal(getattr(self, buffer_name(n)).cpu().float(), codebook(n))
+        ]
+
+
+def buffer_name(codebook_name: str) -> str:
+    return codebook_name.replace(".", "_")
+
+
+def install_cache_reset(parent: nn.Module) -> None:
+    """After each call of `parent`, forget the rotations and fused outputs computed in it."""
+    cached = [m for m in parent.children() if isinstance(m, _CallCache)]
+
+    def reset(_module, _args, _output):
+        for m in cached:
+            m.reset_cache()
+
+    remove_cache_reset(parent)
+    parent.__dict__["_qpalette_cache_reset"] = parent.register_forward_hook(reset)
+
+
+def remove_cache_reset(parent: nn.Module) -> None:
+    handle = parent.__dict__.pop("_qpalette_cache_reset", None)
+    if handle is not None:
+        handle.remove()

@@ -1,0 +1,299 @@
+"""The two operations a quantized layer runs: the online rotation and the quantized matmul.
+
+Both take the stored tensors as they are on disk. With CUDA tensors, fp16/bf16 activations and
+kernels that build (`qpalette.kernels`), they run the CUDA kernels of kernels/ through the
+torch.library custom ops `qpalette::rotate` and `qpalette::quantized_matmul` (fake
+implementations registered, so torch.compile and CUDA-graph capture see them as ordinary ops):
+a fused dequantize + tensor-core matmul for up to 8 activation rows (all leading dimensions
+flattened), the dequantize kernel + cuBLAS above that. Otherwise they run the pure-PyTorch
+reference: decode to float32, multiply back the row scales, one matmul.
+
+Capturing a CUDA graph needs one eager call per (device, quantizer, dtype) first, as usual:
+that call builds the kernels, uploads the small tables and allocates the matmul workspace.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from qpalette.runtime import kernel_build as kernels
+from qpalette.quant.codebooks import codebook
+from qpalette.quant.hadamard import UnsupportedHadamardSize, decompose, hadamard_matrix
+from qpalette.quant.incoherence import rotate_input, unpack_signs
+from qpalette.quant.palette import QuantizedMatrix, get_quantizer
+
+FUSED_MAX_ROWS = 8          # activation rows the fused kernel takes (mma n = 8)
+HADAMARD_MAX_N = 32768      # row length the Hadamard kernel holds in shared memory (fp32)
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+
+# family codes of kernels/qpalette_kernels.h
+PAIR, SCALAR, TCQ, HALF_TCQ = 0, 1, 2, 3
+
+
+# ---- reference ----------------------------------------------------------------------------------
+
+def rotate_reference(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    return rotate_input(x.float(), unpack_signs(signs)).to(x.dtype)
+
+
+def dequantize(quantizer: str, tensors: dict[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
+    """W_r = decode(codes) ⊙ row_scale (float32, rows × cols) from the stored tensors."""
+    q = get_quantizer(quantizer)
+    return q.dequantize(QuantizedMatrix(q.name, shape, tensors))
+
+
+def quantized_matmul_reference(
+    x_rot: torch.Tensor, quantizer: str, tensors: dict[str, torch.Tensor], shape: tuple[int, int]
+) -> torch.Tensor:
+    w = dequantize(quantizer, tensors, shape)
+    return (x_rot.float() @ w.T).to(x_rot.dtype)
+
+
+# ---- dispatch ------------------------------------------------------------------------------------
+
+@torch.compiler.assume_constant_result
+def _kernels_ok() -> bool:
+    return kernels.available()
+
+
+def _use_kernels(*ts: torch.Tensor) -> bool:
+    return (
+        all(t.is_cuda for t in ts)
+        and ts[0].dtype in KERNEL_DTYPES
+        and _kernels_ok()
+    )
+
+
+def rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """H(s ⊙ x) over the last dimension; `signs` bit-packed uint8 (in/8,). Same dtype as x."""
+    n = x.shape[-1]
+    if _use_kernels(x, signs) and n <= HADAMARD_MAX_N and _hadamard_ok(n):
+        return torch.ops.qpalette.rotate(x, signs)
+    return rotate_reference(x, signs)
+
+
+def quantized_matmul(
+    x_rot: torch.Tensor, quantizer: str, tensors: dict[str, torch.Tensor], shape: tuple[int, int]
+) -> torch.Tensor:
+    """y = x_rot · W_rᵀ for a rotated activation x_rot (..., in); returns (..., out) in x's dtype."""
+    if _use_kernels(x_rot, tensors["row_scale"]):
+        q = get_quantizer(quantizer)
+        if q.family == "half-tcq":
+            a, b = tensors["codes_a"], tensors["codes_b"]
+        else:
+            a, b = tensors["codes"], None
+        return torch.ops.qpalette.quantized_matmul(x_rot, a, b, tensors["row_scale"], q.name, shape[0])
+    return quantized_matmul_reference(x_rot, quantizer, tensors, shape)
+
+
+def prepare(x: torch.Tensor, quantizer: str | None = None, out_features: int = 0) -> None:
+    """Allocate what the CUDA ops keep between calls (tables, matmul workspace, Hadamard factor)
+    now, eagerly: inside torch.compile's CUDA-graph trees a first allocation would land in the
+    graph pool ("tensors in the cudagraph pool not tracked as outputs"). The layers call this on
+    every eager call (a few dict lookups); compiled regions skip it. `quantizer` is a canonical
+    palette name (a layer's `quantizer.name`)."""
+    if torch.compiler.is_compiling() or not _use_kernels(x):
+        return
+    if quantizer is not None:
+        lut(quantizer, x.dtype, x.device)
+        workspace(x.device, out_features)
+    elif _hadamard_ok(x.shape[-1]) and x.shape[-1] <= HADAMARD_MAX_N:
+        k, _ = decompose(x.shape[-1])
+        if k > 1:
+            _hadamard_factor(k, x.device)
+
+
+def _hadamard_ok(n: int) -> bool:
+    try:
+        decompose(n)
+        return n % 8 == 0
+    except UnsupportedHadamardSize:
+        return False
+
+
+# ---- what the kernels need besides the stored tensors ----------------------------------------------
+
+@dataclass(frozen=True)
+class KernelSpec:
+    family: int
+    p0: int
+    p1: int
+    book: str
+    kind: str  # "pairs" (E, 2) table as is, "nuq-pairs" product of levels, "scalar" (E,) levels
+
+
+def kernel_spec(quantizer: str) -> KernelSpec:
+    q = get_quantizer(quantizer)
+    if q.family == "nuq":
+        b = int(q.bits)
+        if b <= 5:
+            return KernelSpec(PAIR, 2 * b, 0, q.codebooks[0], "nuq-pairs")
+        return KernelSpec(SCALAR, b, 0, q.codebooks[0], "scalar")
+    if q.family == "vq":
+        return KernelSpec(PAIR, q.width, 0, q.codebooks[0], "pairs")
+    if q.family == "tcq":
+        return KernelSpec(TCQ, q.kv, q.table_q, q.codebooks[0], "pairs")
+    if q.family == "half-tcq":
+        return KernelSpec(HALF_TCQ, q.halves[0].kv, q.halves[0].table_q, q.codebooks[0], "pairs")
+    raise ValueError(f"no kernel for {quantizer}")
+
+
+def table_entries(spec: KernelSpec) -> torch.Tensor:
+    """(E, 2) float32 value pairs of the kernel's table (scalar: (level, 0))."""
+    book = codebook(spec.book)
+    if spec.kind == "pairs":
+        return book
+    if spec.kind == "nuq-pairs":
+        gx, gy = torch.meshgrid(book, book, indexing="ij")  # pair code = (code0 << b) | code1
+        return torch.stack((gx.reshape(-1), gy.reshape(-1)), dim=-1)
+    return torch.stack((book, torch.zeros_like(book)), dim=-1)
+
+
+_luts: dict[tuple, torch.Tensor] = {}
+_hks: dict[tuple, torch.Tensor] = {}
+_workspaces: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+_keep_alive: list[torch.Tensor] = []  # replaced workspaces stay valid for captured graphs
+_sms: dict[int, int] = {}
+
+
+def _not_capturing(what: str) -> None:
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"qpalette: {what} must be prepared before CUDA-graph capture; run the op once eagerly first"
+        )
+
+
+def lut(quantizer: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The kernel table: one int32 per entry holding the value pair in `dtype` (x in the low half)."""
+    spec = kernel_spec(quantizer)
+    key = (spec.book, spec.kind, dtype, device)
+    t = _luts.get(key)
+    if t is None:
+        _not_capturing("the codebook table")
+        pairs = table_entries(spec).to(dtype).contiguous()
+        t = pairs.view(torch.int32).reshape(-1).to(device)
+        _luts[key] = t
+    return t
+
+
+def _hadamard_factor(k: int, device: torch.device) -> torch.Tensor:
+    key = (k, device)
+    t = _hks.get(key)
+    if t is None:
+        _not_capturing("the Hadamard factor")
+        t = torch.from_numpy(hadamard_matrix(k)).to(torch.int8).contiguous().to(device)
+        _hks[key] = t
+    return t
+
+
+def workspace(device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 (rows·8) partial sums and int32 (rows/16) counters; the kernel leaves them zero."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    ws = _workspaces.get(idx)
+    if ws is None or ws[0].numel() < rows * 8:
+        _not_capturing("the matmul workspace")
+        cap = max(rows, 1 << 16)
+        if ws is not None:
+            _keep_alive.extend(ws)
+        ws = (
+            torch.zeros(cap * 8, dtype=torch.float32, device=device),
+            torch.zeros(cap // 16, dtype=torch.int32, device=device),
+        )
+        _workspaces[idx] = ws
+    return ws
+
+
+def _num_sms(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _sms:
+        _sms[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _sms[idx]
+
+
+def _stream(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+# ---- custom ops ------------------------------------------------------------------------------------
+
+@torch.library.custom_op("qpalette::rotate", mutates_args=())
+def _rotate_op(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    n = x.shape[-1]
+    k, p2 = decompose(n)
+    x2 = x.reshape(-1, n).contiguous()
+    dev = x.device
+    hk = _hadamard_factor(k, dev) if k > 1 else None
+    with torch.cuda.device(dev):
+        y = kernels.extension(dev).hadamard(
+            x2, signs.contiguous(), hk, k, p2, _stream(dev), _num_sms(dev), None
+        )
+    return y.reshape(x.shape)
+
+
+@_rotate_op.register_fake
+def _(x, signs):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("qpalette::quantized_matmul", mutates_args=())
+def _qmm_op(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    codes_b: Optional[torch.Tensor],
+    row_scale: torch.Tensor,
+    quantizer: str,
+    out_features: int,
+) -> torch.Tensor:
+    lead, n_in = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, n_in).contiguous()
+    m = x2.shape[0]
+    dev = x.device
+    spec = kernel_spec(quantizer)
+    table = lut(quantizer, x.dtype, dev)
+    ext = kernels.extension(dev)
+    codes = codes.contiguous()
+    codes_b = codes_b.contiguous() if codes_b is not None else None
+    if m == 0:
+        return x.new_empty((*lead, out_features))
+    with torch.cuda.device(dev):
+        if m <= FUSED_MAX_ROWS:
+            ws, cnt = workspace(dev, out_features)
+            y = ext.qmm(x2, codes, codes_b, row_scale, table, ws, cnt, spec.family, spec.p0, spec.p1,
+                        out_features, _stream(dev), _num_sms(dev), None)
+        else:
+            w = ext.dequant(codes, codes_b, row_scale, table, spec.family, spec.p0, spec.p1,
+                            out_features, n_in, x.dtype, _stream(dev), _num_sms(dev), None)
+            y = x2 @ w.T
+    return y.reshape(*lead, out_features)
+
+
+@_qmm_op.register_fake
+def _(x, codes, codes_b, row_scale, quantizer, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def dequantize_cuda(quantizer: str, tensors: dict[str, torch.Tensor], shape: tuple[int, int],
+                    dtype: torch.dtype) -> torch.Tensor:
+    """W_r in `dtype` on the GPU with the dequantize kernel (what batch > 8 multiplies with)."""
+    q = get_quantizer(quantizer)
+    spec = kernel_spec(q.name)
+    a, b = (tensors["codes_a"], tensors["codes_b"]) if q.family == "half-tcq" else (tensors["codes"], None)
+    dev = a.device
+    with torch.cuda.device(dev):
+        return kernels.extension(dev).dequant(
+            a.contiguous(), b.contiguous() if b is not None else None, tensors["row_scale"],
+            lut(q.name, dtype, dev), spec.family, spec.p0, spec.p1, shape[0], shape[1], dtype,
+            _stream(dev), _num_sms(dev), None)
+
+
+__all__ = [
+    "dequantize",
+    "dequantize_cuda",
+    "quantized_matmul",
+    "quantized_matmul_reference",
+    "rotate",
+    "rotate_reference",
+]

@@ -1,0 +1,200 @@
+"""`qpalette plan`: inputs, errors, the reference tables, output files."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from qpalette.models.topology import linear_layers, load_config, unquantized_params
+from qpalette.plan.budget import BudgetError, parse_budgets
+from qpalette.cli import app
+from qpalette.plan.planner import plan
+from qpalette.plan.inputs import InputError, load_latency
+
+REF = Path(__file__).resolve().parents[2] / "profiles" / "reference"
+MODEL = str(REF / "llama31_8b")
+SENS = str(REF / "llama31_8b_sensitivity.json")
+LAT = str(REF / "rtx4090_latency_llama31_8b.json")
+runner = CliRunner()
+
+
+def test_budget_parsing():
+    b = parse_budgets(["3.25bits", "2.4GB,200tok/s"])
+    assert [(x.kind, x.value) for x in b] == [("bits", 3.25), ("bytes", 2.4e9), ("latency", 0.005)]
+    assert parse_budgets(["1GiB"])[0].value == 2**30
+    assert parse_budgets(["5ms"])[0].value == pytest.approx(0.005)
+    assert parse_budgets(["900 MB"])[0].value == 9e8
+    for bad in ["3.25", "abc", "-3bits", "3bits,4bits", "2GBs"]:
+        with pytest.raises(BudgetError):
+            parse_budgets([bad])
+
+
+def test_llama31_8b_shapes_and_parameter_count():
+    cfg = load_config(MODEL)
+    layers = linear_layers(cfg)
+    assert len(layers) == 224
+    assert (layers[1].out_features, layers[1].in_features) == (1024, 4096)
+    assert (layers[6].out_features, layers[6].in_features) == (4096, 14336)
+    total = sum(l.numel for l in layers) + sum(unquantized_params(cfg).values())
+    assert total == 8_030_261_248  # Llama-3.1-8B
+
+
+def test_reference_tables_imported():
+    prof = load_latency(LAT)
+    assert prof.batch_size == 1 and set(prof.groups) >= {"qkv", "gateup", "down"}
+    assert "tcq-1.0" not in prof.quantizers() and "half-tcq-3.25" in prof.quantizers()
+    sens = json.loads(Path(SENS).read_text())
+    assert sens["format"] == "qpalette.sensitivity/1" and len(sens["layers"]) == 224
+
+
+def test_reference_plans_fusion_beats_paper_claims():
+    """docs/method.md §5: fusion-aware reaches 200 tok/s, unfused 190 tok/s (reference tables)."""
+    dist = str(REF / "distortion_gaussian.json")
+    fused = plan(MODEL, ["200tok/s"], sensitivity=SENS, latency_profile=LAT, distortion=dist)
+    unfused = plan(MODEL, ["190tok/s"], sensitivity=SENS, latency_profile=LAT, distortion=dist,
+                   fuse=False)
+    for p, speed in ((fused, 200), (unfused, 190)):
+        assert p["solver"]["status"] == "optimal"
+        assert p["totals"]["tok_per_s"] >= speed * (1 - 1e-12)
+    assert fused["totals"]["predicted_loss"] < unfused["totals"]["predicted_loss"]
+    assert all(len(g["layers"]) == 1 for b in unfused["blocks"] for g in b["groups"])
+    assert any(g["group"] in ("qkv", "gateup") for b in fused["blocks"] for g in b["groups"])
+
+
+def test_cli_memory_plan_writes_json_png_and_show(tmp_path):
+    out = tmp_path / "p.json"
+    r = runner.invoke(app, ["plan", MODEL, "-b", "3.25bits", "-s", SENS, "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "optimal" in r.output and "distortion gap" in r.output
+    p = json.loads(out.read_text())
+    assert abs(p["totals"]["avg_bits"] - 3.25) < 1e-9
+    assert p["totals"]["bytes"]["total"] == (
+        sum(v["bytes"] for v in p["layers"].values()) + p["totals"]["bytes"]["codebooks"]
+        + p["totals"]["bytes"]["sign_vectors"] + p["totals"]["bytes"]["unquantized_modules"]
+    )
+    assert p["provenance"]["sensitivity"]["sha256"]
+    assert (tmp_path / "p.png").stat().st_size > 1000
+    r = runner.invoke(app, ["plan", "--show", str(out)])
+    assert r.exit_code == 0 and "model.layers.31.mlp.down_proj" in r.output
+
+
+def test_cli_byte_budget_is_met(tmp_path):
+    out = tmp_path / "p.json"
+    r = runner.invoke(app, ["plan", MODEL, "-b", "4.5GB", "-s", SENS, "-o", str(out), "--no-plot"])
+    assert r.exit_code == 0, r.output
+    p = json.loads(out.read_text())
+    assert 4.49e9 < p["totals"]["bytes"]["total"] <= 4.5e9
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["plan", "/nonexistent", "-b", "3bits", "-s", SENS], "no such directory"),
+        (["plan", MODEL, "-b", "3 furlongs", "-s", SENS], "unknown unit"),
+        (["plan", MODEL, "-b", "0.5bits", "-s", SENS], "smallest feasible is 1 bits"),
+        (["plan", MODEL, "-b", "1GB", "-s", SENS], "smallest feasible is 2.977"),
+        (["plan", MODEL, "-b", "400tok/s", "-s", SENS, "-l", LAT], "fastest feasible is 270"),
+        (["plan", MODEL, "-b", "200tok/s", "-s", SENS, "--batch-size", "4"], "measure one with `qpalette profile"),
+        (["plan", MODEL, "-b", "3bits"], "needs sensitivity"),
+        (["plan", MODEL, "-b", "3bits", "-s", SENS, "-p", "tcq-9"], "unknown quantizer"),
+        (["plan", MODEL, "-b", "200tok/s", "-s", SENS, "-l", LAT, "-p", "tcq-1"], "no latencies for tcq-1.0"),
+        (["plan", MODEL, "-b", "200tok/s", "-s", SENS, "-l", LAT, "--batch-size", "4"], "batch size 1"),
+        (["plan", "--show", "/nonexistent.json"], "does not exist"),
+    ],
+)
+def test_cli_user_errors_are_clean(tmp_path, args, message):
+    r = runner.invoke(app, args + ["-o", str(tmp_path / "p.json")] if "--show" not in args else args)
+    assert r.exit_code == 2, r.output
+    assert message in r.output
+    assert "Traceback" not in r.output
+
+
+def _copy_sens(tmp_path, edit):
+    data = json.loads(Path(SENS).read_text())
+    edit(data)
+    p = tmp_path / "s.json"
+    p.write_text(json.dumps(data))
+    return str(p)
+
+
+def test_mismatched_sensitivity_names_the_layer(tmp_path):
+    s = _copy_sens(tmp_path, lambda d: d["layers"].pop("model.layers.3.mlp.up_proj"))
+    with pytest.raises(InputError, match="model.layers.3.mlp.up_proj"):
+        plan(MODEL, ["3bits"], sensitivity=s)
+    s = _copy_sens(tmp_path, lambda d: d["layers"]["model.layers.0.self_attn.k_proj"].update(shape=[512, 4096]))
+    with pytest.raises(InputError, match="k_proj is 512×4096 there but 1024×4096"):
+        plan(MODEL, ["3bits"], sensitivity=s)
+
+
+def test_mismatched_latency_profile_names_the_group(tmp_path):
+    data = json.loads(Path(LAT).read_text())
+    data["shapes"]["gateup"] = [2 * 11008, 4096]
+    p = tmp_path / "l.json"
+    p.write_text(json.dumps(data))
+    with pytest.raises(InputError, match="group gateup is 22016×4096 in the profile but 28672×4096"):
+        plan(MODEL, ["200tok/s"], sensitivity=SENS, latency_profile=str(p))
+
+
+def test_model_implied_by_sensitivity_file():
+    p = plan(None, ["3bits"], sensitivity=SENS)
+    assert p["totals"]["bytes"]["total"] is None and len(p["layers"]) == 224
+    with pytest.raises(Exception, match="config.json"):
+        plan(None, ["3GB"], sensitivity=SENS)
+
+
+def test_model_directory_with_config(tmp_path):
+    shutil.copy(Path(MODEL) / "config.json", tmp_path / "config.json")
+    p = plan(str(tmp_path), ["3.0bits", "4.6GB"], sensitivity=SENS)
+    assert p["totals"]["avg_bits"] <= 3.0 and p["totals"]["bytes"]["total"] <= 4.6e9
+
+
+SMOLLM2_135M = {
+    "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
+    "num_key_value_heads": 3, "num_hidden_layers": 30, "vocab_size": 49152,
+    "tie_word_embeddings": True, "_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct",
+}
+
+
+def test_smollm2_135m_config_plan(tmp_path):
+    import random
+
+    cfg = load_config_from(tmp_path, SMOLLM2_135M)
+    layers = linear_layers(cfg)
+    assert sum(l.numel for l in layers) + sum(unquantized_params(cfg).values()) == 134_515_008
+    rng = random.Random(0)
+    sens = {"format": "qpalette.sensitivity/1", "model": "smollm2-135m", "protocol": "data-free",
+            "tokens": 1024, "layers": {l.name: {"a": rng.lognormvariate(-4, 1.5), "r2": 0.99,
+                                                "shape": [l.out_features, l.in_features]} for l in layers}}
+    (tmp_path / "s.json").write_text(json.dumps(sens))
+    p = plan(str(tmp_path), ["3.25bits", "100MB"], sensitivity=str(tmp_path / "s.json"))
+    assert p["solver"]["status"] == "optimal"
+    assert p["totals"]["avg_bits"] <= 3.25 and p["totals"]["bytes"]["total"] <= 100e6
+    assert p["totals"]["bytes"]["unquantized_modules"] == 2 * (49152 * 576 + 61 * 576)
+
+
+def load_config_from(d, cfg):
+    (d / "config.json").write_text(json.dumps(cfg))
+    return load_config(d)
+
+
+def test_speed_budget_without_profile_uses_a_matching_shipped_one(tmp_path):
+    """SmolLM2 shapes (from its sensitivity file) → the shipped H100 profile of that batch size."""
+    sens = str(Path(__file__).resolve().parents[2] / "results" / "calibrate_smollm2" / "sens_gpu_8k_seed0.json")
+    for bs in (None, 8):
+        p = plan(None, ["150tok/s"], sensitivity=sens, batch_size=bs)
+        src = p["provenance"]["latency_profile"]
+        assert src["path"].endswith(f"h100_latency_smollm2-135m_b{bs or 1}.json")
+        assert any("shipped" in n for n in p["notes"])
+        assert p["totals"]["tok_per_s"] >= 150 * (1 - 1e-6)
+
+
+def test_speed_budget_without_any_matching_profile_says_how_to_get_one(tiny_llama_dir, tmp_path):
+    from helpers import fake_sensitivity
+
+    sens = fake_sensitivity(tiny_llama_dir, tmp_path / "s.json")
+    with pytest.raises(InputError, match="qpalette profile"):
+        plan(str(tiny_llama_dir), ["200tok/s"], sensitivity=str(sens))

@@ -1,0 +1,274 @@
+"""Planner: SCIP plans equal brute-force optima on tiny instances; budgets hold exactly."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from qpalette.models.topology import linear_layers, sign_vector_bytes, unquantized_params
+from qpalette.plan.budget import Budget, parse_budgets
+from qpalette.quant.codebooks import codebook
+from qpalette.quant.distortion import shipped_table
+from qpalette.quant.palette import get_quantizer
+from qpalette.plan.inputs import FUSED_GROUPS, GROUPS, SINGLE_GROUPS, LatencyProfile
+from qpalette.plan.document import make_plan
+from qpalette.plan.program import (
+    InfeasibleBudget,
+    build_problem,
+    exhaustive,
+    gap_decomposition,
+    ideal_allocation,
+    solve,
+    usage,
+)
+
+TINY = {
+    "model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 1, "vocab_size": 100,
+    "tie_word_embeddings": False,
+}
+ERR = {k: v.nmse for k, v in shipped_table().items()}
+
+
+def tiny_layers(blocks=1, **over):
+    return linear_layers(TINY | {"num_hidden_layers": blocks} | over)
+
+
+def fake_profile(quantizers, seed, const=1e-3) -> LatencyProfile:
+    rng = random.Random(seed)
+    singles = {g: {q.name: rng.uniform(5e-6, 2e-5) for q in quantizers} for g in SINGLE_GROUPS}
+    groups = dict(singles)
+    for g in FUSED_GROUPS:  # a fused call is cheaper than its parts, by a random margin
+        groups[g] = {
+            q.name: sum(singles[k][q.name] for k in GROUPS[g]) * rng.uniform(0.55, 1.05)
+            for q in quantizers
+        }
+    return LatencyProfile("fake.json", "0" * 64, "tiny", "fake", 1, const, groups, {})
+
+
+def quantizers(names):
+    return [get_quantizer(n) for n in names]
+
+
+def budget_between(lo, hi, frac, kind):
+    v = lo + frac * (hi - lo)
+    if kind == "bits":
+        return Budget("bits", v, f"{v:.6f}bits")
+    if kind == "bytes":
+        return Budget("bytes", float(int(v)), f"{int(v)}B")
+    return Budget("latency", v, f"{v * 1e3:.9f}ms")
+
+
+def check_against_brute_force(layers, qs, budgets_kinds, seed, latency=None, fuse=True):
+    rng = random.Random(seed)
+    a = [rng.lognormvariate(-3, 2) for _ in layers]
+    speed = "latency" in budgets_kinds
+    kw = dict(latency=latency, use_latency=speed, fuse=fuse, unquantized_params=1000,
+              active=tuple(budgets_kinds))
+    full = build_problem(layers, a, qs, ERR, prune=False, **kw)
+    pruned = build_problem(layers, a, qs, ERR, **kw)
+    # budgets at random points between each resource's min and max over all covers
+    import itertools
+
+    by_block = {}
+    for o in full.options:
+        by_block.setdefault(o.block, []).append(o)
+    plans = []
+    for b, opts in by_block.items():
+        covers = []
+
+        def ext(p, left):
+            if not left:
+                covers.append(p)
+                return
+            f = min(left)
+            for o in opts:
+                if f in o.layers and set(o.layers) <= left:
+                    ext(p + [o], left - set(o.layers))
+
+        ext([], {i for o in opts for i in o.layers})
+        plans.append(covers)
+    uses = [usage(full, [o for c in combo for o in c]) for combo in itertools.product(*plans)]
+    budgets = []
+    for k in budgets_kinds:
+        vals = [u[k] for u in uses]
+        lo, hi = min(vals), max(vals)
+        if k == "bits":
+            lo, hi = lo / (4 * full.total_params), hi / (4 * full.total_params)
+        elif k == "bytes":
+            lo, hi = lo + full.fixed_bytes, hi + full.fixed_bytes
+        else:
+            lo, hi = lo + latency.constant_s, hi + latency.constant_s
+        budgets.append(budget_between(lo, hi, rng.uniform(0.05, 0.6), k))
+    best = exhaustive(full, budgets)
+    if best is None:
+        with pytest.raises(InfeasibleBudget):
+            solve(pruned, budgets)
+        return None
+    sol = solve(pruned, budgets)
+    assert sol.status == "optimal"
+    assert sol.objective == pytest.approx(best[0], rel=1e-9, abs=1e-15)
+    # budgets hold exactly, counted independently of the solver's bookkeeping
+    chosen = sol.chosen
+    assign = {i: o.quantizer for o in chosen for i in o.layers}
+    assert sorted(assign) == list(range(len(layers)))
+    for bgt in budgets:
+        if bgt.kind == "bits":
+            num = sum(l.numel * get_quantizer(assign[i]).bits for i, l in enumerate(layers))
+            assert num / sum(l.numel for l in layers) <= bgt.value + 1e-12
+        elif bgt.kind == "bytes":
+            codes = sum(get_quantizer(assign[i]).stored_bytes(l.out_features, l.in_features)
+                        for i, l in enumerate(layers))
+            books = {c for q in assign.values() for c in get_quantizer(q).codebooks}
+            total = codes + sum(codebook(c).numel() * 2 for c in books)
+            total += sign_vector_bytes(layers) + 2 * 1000
+            assert total <= bgt.value
+        else:
+            lat = math.fsum(latency.groups[o.group][o.quantizer] for o in chosen)
+            assert lat + latency.constant_s <= bgt.value * (1 + 1e-12)
+    # fused groups carry one quantizer for all their layers
+    for o in chosen:
+        assert len(o.layers) == len(GROUPS[o.group])
+    return sol
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("kinds", [("bits",), ("bytes",), ("bits", "bytes")])
+def test_memory_plan_equals_brute_force(seed, kinds):
+    # 1 block × 7 layers × 4 entries (two share the tcq.q9 table) = 16384 plans
+    qs = quantizers(["tcq-2", "half-tcq-2.75", "vq-3", "nuq-4"])
+    check_against_brute_force(tiny_layers(), qs, kinds, seed)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("kinds", [("latency",), ("latency", "bytes"), ("latency", "bits")])
+def test_speed_plan_with_fusion_equals_brute_force(seed, kinds):
+    qs = quantizers(["tcq-2", "tcq-3", "vq-2.5"])
+    prof = fake_profile(qs, seed)
+    sol = check_against_brute_force(tiny_layers(), qs, kinds, seed, latency=prof)
+    assert sol is None or sol.status == "optimal"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_speed_plan_without_fusion_equals_brute_force(seed):
+    qs = quantizers(["tcq-2", "tcq-3", "vq-2.5", "nuq-3"])
+    prof = fake_profile(qs, seed)
+    sol = check_against_brute_force(tiny_layers(), qs, ("latency",), seed, latency=prof, fuse=False)
+    assert sol is None or all(len(o.layers) == 1 for o in sol.chosen)
+
+
+def test_fusion_is_used_when_it_pays_and_groups_share_a_quantizer():
+    qs = quantizers(["tcq-2", "tcq-3", "tcq-4"])
+    prof = fake_profile(qs, 0)
+    for g in FUSED_GROUPS:  # make fused calls much cheaper
+        for q in prof.groups[g]:
+            prof.groups[g][q] *= 0.3
+    layers = tiny_layers(blocks=3)
+    a = [1.0] * len(layers)
+    problem = build_problem(layers, a, qs, ERR, latency=prof, use_latency=True,
+                            unquantized_params=1000)
+    budgets = [Budget("latency", prof.constant_s + 3 * 4e-5, "x")]
+    sol = solve(problem, budgets)
+    plan = make_plan(problem, sol, budgets, fuse=True, model={}, inputs={}, options={})
+    seen = []
+    for blk in plan["blocks"]:
+        for g in blk["groups"]:
+            assert {plan["layers"][n]["quantizer"] for n in g["layers"]} == {g["quantizer"]}
+            seen += g["layers"]
+    assert sorted(seen) == sorted(plan["layers"])  # every layer in exactly one group
+    assert any(len(g["layers"]) > 1 for blk in plan["blocks"] for g in blk["groups"])
+
+
+def test_unsupported_shapes_are_excluded():
+    # in_features 48 is not a multiple of 32: half-TCQ cannot hold those layers
+    layers = tiny_layers(hidden_size=48, num_attention_heads=3, head_dim=16)
+    qs = quantizers(["half-tcq-3.25", "tcq-3"])
+    problem = build_problem(layers, [1.0] * len(layers), qs, ERR, unquantized_params=0)
+    for o in problem.options:
+        if layers[o.layers[0]].in_features == 48:
+            assert o.quantizer == "tcq-3.0"
+    sol = solve(problem, parse_budgets(["3.5bits"]))
+    assert sol.status == "optimal"
+
+
+def test_infeasible_budget_reports_smallest_feasible_which_then_solves():
+    layers = tiny_layers(blocks=2)
+    qs = quantizers(["tcq-2", "tcq-3", "vq-4"])
+    a = [0.5] * len(layers)
+    problem = build_problem(layers, a, qs, ERR, unquantized_params=1000)
+    with pytest.raises(InfeasibleBudget) as e:
+        solve(problem, parse_budgets(["1.5bits"]))
+    assert "smallest feasible is 2 bits" in str(e.value)
+    assert e.value.smallest["bits"] == pytest.approx(2.0)
+    with pytest.raises(InfeasibleBudget) as e:
+        solve(problem, parse_budgets(["100B"]))
+    smallest = e.value.smallest["bytes"]
+    sol = solve(problem, [Budget("bytes", float(math.ceil(smallest)), "x")])
+    assert sol.status == "optimal"
+    with pytest.raises(InfeasibleBudget):
+        solve(problem, [Budget("bytes", float(math.ceil(smallest)) - 1, "x")])
+
+
+def test_ideal_allocation_meets_total_and_equalises_marginals():
+    rng = random.Random(1)
+    a = [rng.lognormvariate(-3, 2) for _ in range(50)]
+    n = [rng.choice([4096 * 4096, 1024 * 4096, 14336 * 4096]) for _ in range(50)]
+    total = 3.0 * sum(n)
+    b = ideal_allocation(a, n, total)
+    assert math.fsum(bi * ni for bi, ni in zip(b, n)) == pytest.approx(total, rel=1e-12)
+    marg = [ai / ni * 2 ** (-2 * bi) for ai, ni, bi in zip(a, n, b) if bi > 1e-9]
+    assert max(marg) == pytest.approx(min(marg), rel=1e-6)
+    # it is optimal: moving bits between two layers never lowers the loss
+    loss = math.fsum(ai * 2 ** (-2 * bi) for ai, bi in zip(a, b))
+    b2 = list(b)
+    b2[0] += 0.1 * n[1] / n[0]
+    b2[1] -= 0.1
+    assert math.fsum(ai * 2 ** (-2 * bi) for ai, bi in zip(a, b2)) > loss
+
+
+def test_gap_decomposition_adds_up():
+    rng = random.Random(2)
+    a = [rng.lognormvariate(-3, 2) for _ in range(30)]
+    n = [4096 * 4096] * 30
+    qs = [get_quantizer(rng.choice(["tcq-2", "tcq-3", "vq-3.5", "nuq-4"])) for _ in range(30)]
+    g = gap_decomposition(a, n, [q.bits for q in qs], [ERR[q.name] for q in qs])
+    assert g["plan_loss"] == pytest.approx(g["ideal_loss"] + g["distortion_gap"] + g["bit_allocation_gap"])
+    assert g["distortion_gap"] > 0 and g["bit_allocation_gap"] >= -1e-12
+
+
+def test_unquantized_and_sign_vector_bytes():
+    cfg = TINY | {"num_hidden_layers": 2}
+    layers = linear_layers(cfg)
+    # per block: qkv (64), o (64), gate/up (64), down (96) → 8 + 8 + 8 + 12 bytes
+    assert sign_vector_bytes(layers) == 2 * (8 + 8 + 8 + 12)
+    unq = unquantized_params(cfg)
+    assert unq == {"embed_tokens": 6400, "lm_head": 6400, "norms": 5 * 64}
+    assert "lm_head" not in unquantized_params(cfg | {"tie_word_embeddings": True})
+
+
+@pytest.mark.parametrize("with_profile", [False, True])
+@pytest.mark.parametrize("fuse", [False, True])
+def test_memory_plan_groups_are_valid(with_profile, fuse):
+    qs = quantizers(["tcq-2", "tcq-3"])
+    layers = tiny_layers(blocks=4)
+    rng = random.Random(3)
+    a = [rng.lognormvariate(-3, 1) for _ in layers]
+    prof = fake_profile(qs, 1) if with_profile else None
+    problem = build_problem(layers, a, qs, ERR, latency=prof, unquantized_params=0, fuse=fuse)
+    budgets = parse_budgets(["2.5bits"])
+    sol = solve(problem, budgets)
+    plan = make_plan(problem, sol, budgets, fuse=fuse, model={}, inputs={}, options={})
+    covered = []
+    for blk in plan["blocks"]:
+        for g in blk["groups"]:
+            assert {plan["layers"][n]["quantizer"] for n in g["layers"]} == {g["quantizer"]}
+            assert fuse or len(g["layers"]) == 1
+            covered += g["layers"]
+        if fuse and not with_profile:  # largest same-quantizer groups
+            kinds = {plan["layers"][n]["kind"]: plan["layers"][n]["quantizer"] for g in blk["groups"] for n in g["layers"]}
+            if kinds["gate"] == kinds["up"]:
+                assert any(g["group"] == "gateup" for g in blk["groups"])
+    assert sorted(covered) == sorted(plan["layers"])
+    assert (plan["totals"]["latency_s"] is not None) == with_profile

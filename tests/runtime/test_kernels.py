@@ -1,0 +1,200 @@
+"""CUDA kernels against the pure-PyTorch reference (run with `pytest -m gpu` on a CUDA machine).
+
+Fresh random data every check: random int32 code words (any words are a valid stream of every
+format, TCQ included), random fp16 row scales and activations. Outputs the kernels write into are
+filled with NaN first, so an element nothing wrote fails the comparison.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qpalette.runtime import kernel_build as kernels
+from qpalette.runtime import ops
+from qpalette.quant.hadamard import decompose
+from qpalette.quant.incoherence import pack_signs, random_signs, rotate_input, unpack_signs
+from qpalette.quant.palette import PALETTE, get_quantizer
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = (torch.float16, torch.bfloat16)
+# (out, in): non-powers of two in both positions, tiny ones that give warps less than a stage,
+# and the Llama shapes' large dimension (14336) on either side
+SHAPES = [(576, 1536), (1536, 576), (32, 64), (16, 32), (14336, 576), (576, 14336)]
+BATCHES = range(1, 10)
+TOL = 1e-2
+
+
+@pytest.fixture(scope="module")
+def ext():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    return kernels.extension()
+
+
+def random_tensors(name: str, rows: int, cols: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    q = get_quantizer(name)
+    out = {}
+    for key, (shape, dtype) in q.tensor_specs(rows, cols).items():
+        if dtype == torch.int32:
+            t = torch.randint(-(2**31), 2**31 - 1, shape, dtype=torch.int32, generator=gen)
+        else:
+            t = (0.5 + torch.rand(shape, generator=gen)).to(dtype)
+        out[key] = t.cuda()
+    return out
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    y = y.double()
+    ref = ref.double()
+    if not torch.isfinite(y).all():
+        return float("inf")
+    return ((y - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def codes_of(name: str, tensors: dict[str, torch.Tensor]):
+    if get_quantizer(name).family == "half-tcq":
+        return tensors["codes_a"], tensors["codes_b"]
+    return tensors["codes"], None
+
+
+def run_fused(ext, name, x2, tensors, rows):
+    """The fused kernel straight through the extension, into a NaN-poisoned output."""
+    spec = ops.kernel_spec(name)
+    a, b = codes_of(name, tensors)
+    ws, cnt = ops.workspace(x2.device, rows)
+    out = torch.full((x2.shape[0], rows), float("nan"), dtype=x2.dtype, device=x2.device)
+    ext.qmm(x2, a, b, tensors["row_scale"], ops.lut(name, x2.dtype, x2.device), ws, cnt, spec.family,
+            spec.p0, spec.p1, rows, torch.cuda.current_stream().cuda_stream,
+            torch.cuda.get_device_properties(0).multi_processor_count, out)
+    return out
+
+
+def run_dequant(ext, name, tensors, shape, dtype):
+    spec = ops.kernel_spec(name)
+    a, b = codes_of(name, tensors)
+    out = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+    ext.dequant(a, b, tensors["row_scale"], ops.lut(name, dtype, a.device), spec.family, spec.p0,
+                spec.p1, shape[0], shape[1], dtype, torch.cuda.current_stream().cuda_stream,
+                torch.cuda.get_device_properties(0).multi_processor_count, out)
+    return out
+
+
+@pytest.mark.parametrize("name", list(PALETTE))
+def test_fused_matmul_every_entry(ext, name):
+    gen = torch.Generator().manual_seed(hash(name) % 2**31)
+    worst = {}
+    for rows, cols in SHAPES:
+        tensors = random_tensors(name, rows, cols, gen)
+        w = ops.dequantize(name, tensors, (rows, cols))  # float32 reference on the GPU
+        for dtype in DTYPES:
+            for m in BATCHES:
+                x = torch.randn(m, cols, generator=gen).to(dtype).cuda()
+                ref = x.float() @ w.T
+                if m <= ops.FUSED_MAX_ROWS:
+                    y = run_fused(ext, name, x, tensors, rows)
+                else:
+                    y = x @ run_dequant(ext, name, tensors, (rows, cols), dtype).T
+                torch.cuda.synchronize()
+                worst[(rows, cols, str(dtype), m)] = rel_err(y, ref)
+                # the op the layers call, with leading dimensions
+                y2 = ops.quantized_matmul(x.reshape(1, m, cols), name, tensors, (rows, cols))
+                assert y2.shape == (1, m, rows) and y2.dtype == dtype
+                worst[(rows, cols, str(dtype), m, "op")] = rel_err(y2.reshape(m, rows), ref)
+        ws, cnt = ops.workspace(torch.device("cuda"), rows)
+        assert not ws.any() and not cnt.any(), "the fused kernel must leave its workspace zero"
+    bad = {k: v for k, v in worst.items() if not v <= TOL}
+    assert not bad, f"{name}: relative error above {TOL}: {bad}"
+
+
+@pytest.mark.parametrize("name", ["tcq-2.0", "nuq-4", "vq-4.0", "half-tcq-3.25", "nuq-8", "vq-6.0"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dequantize_kernel(ext, name, dtype):
+    gen = torch.Generator().manual_seed(7)
+    rows, cols = 1536, 576
+    tensors = random_tensors(name, rows, cols, gen)
+    w = run_dequant(ext, name, tensors, (rows, cols), dtype)
+    ref = ops.dequantize(name, tensors, (rows, cols))
+    assert rel_err(w, ref) <= 4e-3
+
+
+def test_every_entry_has_a_kernel():
+    for name in PALETTE:
+        spec = ops.kernel_spec(name)
+        assert spec.family in (ops.PAIR, ops.SCALAR, ops.TCQ, ops.HALF_TCQ)
+
+
+@pytest.mark.parametrize("n", [64, 576, 1536, 4096, 6144, 11008, 14336])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_hadamard_kernel(ext, n, dtype):
+    gen = torch.Generator().manual_seed(n)
+    signs = pack_signs(random_signs(n, seed=n)).cuda()
+    for rows in (1, 3, 8, 33):
+        x = torch.randn(rows, n, generator=gen).to(dtype).cuda()
+        ref = rotate_input(x.double().cpu(), unpack_signs(signs.cpu()).double())
+        k, p2 = decompose(n)
+        hk = ops._hadamard_factor(k, x.device) if k > 1 else None
+        out = torch.full_like(x, float("nan"))
+        ext.hadamard(x, signs, hk, k, p2, torch.cuda.current_stream().cuda_stream,
+                     torch.cuda.get_device_properties(0).multi_processor_count, out)
+        assert rel_err(out.cpu(), ref) <= TOL
+        y = ops.rotate(x.reshape(rows, 1, n), signs)
+        assert y.shape == (rows, 1, n) and y.dtype == dtype
+        assert rel_err(y.reshape(rows, n).cpu(), ref) <= TOL
+
+
+def _layer(name, rows, cols, gen):
+    tensors = random_tensors(name, rows, cols, gen)
+    signs = pack_signs(random_signs(cols, seed=1)).cuda()
+
+    def f(x):
+        return ops.quantized_matmul(ops.rotate(x, signs), name, tensors, (rows, cols))
+
+    def ref(x):
+        xr = ops.rotate_reference(x.float(), signs)
+        return xr @ ops.dequantize(name, tensors, (rows, cols)).T
+
+    return f, ref
+
+
+@pytest.mark.parametrize("name", ["tcq-3.0", "half-tcq-2.75", "nuq-6"])
+def test_torch_compile(ext, name):
+    gen = torch.Generator().manual_seed(3)
+    f, ref = _layer(name, 1536, 576, gen)
+    compiled = torch.compile(f, fullgraph=True)
+    for m in (1, 4, 9):
+        x = torch.randn(m, 576, generator=gen).half().cuda()
+        assert rel_err(compiled(x), ref(x)) <= TOL
+
+
+@pytest.mark.parametrize("name", ["tcq-2.0", "half-tcq-3.25", "vq-3.0"])
+@pytest.mark.parametrize("m", [1, 5, 8, 12])
+def test_cuda_graph_capture(ext, name, m):
+    gen = torch.Generator().manual_seed(4)
+    f, ref = _layer(name, 576, 1536, gen)
+    x = torch.randn(m, 1536, generator=gen).to(torch.bfloat16).cuda()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        f(x)  # warm-up: builds, uploads tables, allocates the workspace
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = f(x)
+    for _ in range(3):
+        x.copy_(torch.randn(m, 1536, generator=gen).to(torch.bfloat16))
+        y.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert rel_err(y, ref(x)) <= TOL
+
+
+def test_compile_reduce_overhead(ext):
+    """torch.compile with CUDA graphs (mode reduce-overhead) over rotate + matmul."""
+    gen = torch.Generator().manual_seed(5)
+    f, ref = _layer("tcq-4.0", 576, 1536, gen)
+    compiled = torch.compile(f, mode="reduce-overhead", fullgraph=True)
+    for _ in range(4):
+        x = torch.randn(2, 1536, generator=gen).half().cuda()
+        assert rel_err(compiled(x).clone(), ref(x)) <= TOL

@@ -1,0 +1,96 @@
+"""qpalette.qlinear: the modules a checkpoint loads into, against the simulated float layer."""
+
+import pytest
+import torch
+from torch import nn
+
+from qpalette.runtime import modules as qlinear
+from qpalette.compress.writer import quantize_matrix
+from qpalette.quant.incoherence import random_signs, unpack_signs, unrotate_weight
+from qpalette.runtime.modules import FusedSlice, InputRotation, QuantizedLinear, install_cache_reset
+
+ENTRIES = ["nuq-3", "vq-2.5", "tcq-2.0", "half-tcq-3.25"]
+
+
+def quantized(lin: nn.Linear, quantizer: str, rotation: InputRotation) -> QuantizedLinear:
+    out_f, in_f = lin.weight.shape
+    q = QuantizedLinear(in_f, out_f, quantizer, bias=lin.bias is not None)
+    signs = unpack_signs(rotation.signs)
+    for k, v in quantize_matrix(lin.weight.detach(), quantizer, signs, "cpu").items():
+        getattr(q, k).copy_(v)
+    if lin.bias is not None:
+        q.bias.data.copy_(lin.bias.detach())
+    q.rotation = rotation
+    return q
+
+
+@pytest.mark.parametrize("name", ENTRIES)
+def test_forward_equals_simulated_layer(name, device):
+    """The quantized layer computes what the original architecture computes with the
+    dequantized, un-rotated weight (the "simulated" model)."""
+    g = torch.Generator().manual_seed(0)
+    lin = nn.Linear(576, 64, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(64, 576, generator=g) * 0.02)
+    rot = InputRotation.from_signs(random_signs(576, 5))
+    q = quantized(lin, name, rot).to(device)
+    rot.to(device)
+    w_sim = unrotate_weight(q.rotated_weight(), unpack_signs(rot.signs))
+    x = torch.randn(3, 7, 576, generator=g).to(device)
+    expect = x @ w_sim.T + q.bias
+    got = q(x)
+    rot.reset_cache()
+    assert got.shape == (3, 7, 64)
+    assert torch.allclose(got, expect, rtol=1e-4, atol=1e-5)
+    ref = lin.to(device)(x)  # and close to the float layer (quantization error only)
+    assert (got - ref).norm() / ref.norm() < 4 * 2 ** (-q.quantizer.bits)
+
+
+def test_buffers_match_tensor_specs_and_load_round_trip():
+    rot = InputRotation.from_signs(random_signs(128, 1))
+    q = quantized(nn.Linear(128, 32, bias=False), "half-tcq-2.25", rot)
+    specs = q.quantizer.tensor_specs(32, 128)
+    sd = q.state_dict()
+    assert set(sd) == set(specs)  # the shared rotation is not a child: stored once, elsewhere
+    for k, (shape, dtype) in specs.items():
+        assert (tuple(sd[k].shape), sd[k].dtype) == (shape, dtype)
+    empty = QuantizedLinear(128, 32, "half-tcq-2.25")
+    empty.load_state_dict(sd)
+    empty.rotation = rot
+    x = torch.randn(2, 128)
+    assert torch.equal(empty(x), q(x))
+    assert not isinstance(q, nn.Linear)
+
+
+def test_half_precision_inputs_keep_their_dtype():
+    rot = InputRotation.from_signs(random_signs(64, 0))
+    q = quantized(nn.Linear(64, 16), "nuq-4", rot)
+    for dt in (torch.float16, torch.bfloat16):
+        assert q(torch.randn(4, 64).to(dt)).dtype == dt
+
+
+def test_fused_slices_share_one_matmul_and_the_cache_resets(monkeypatch):
+    """Slices of a fused group return their rows of one group call per parent call."""
+    g = torch.Generator().manual_seed(3)
+    a, b = nn.Linear(64, 32, bias=False), nn.Linear(64, 16, bias=False)
+    rot = InputRotation.from_signs(random_signs(64, 2))
+    group_lin = nn.Linear(64, 48, bias=False)
+    with torch.no_grad():
+        group_lin.weight.copy_(torch.cat([a.weight, b.weight]))
+    group = quantized(group_lin, "vq-3.0", rot)
+    parent = nn.Module()
+    parent.group, parent.rot = group, rot
+    parent.a, parent.b = FusedSlice(group, 0, 32), FusedSlice(group, 32, 48)
+    calls = []
+    real = qlinear.ops.quantized_matmul
+    monkeypatch.setattr(qlinear.ops, "quantized_matmul", lambda *a: calls.append(1) or real(*a))
+    parent.forward = lambda x: (parent.a(x), parent.b(x))
+    install_cache_reset(parent)
+    x = torch.randn(5, 64, generator=g)
+    ya, yb = parent(x)
+    full = group(x)
+    assert len(calls) == 2  # one matmul for both slices, one for the direct call
+    assert torch.equal(ya, full[:, :32]) and torch.equal(yb, full[:, 32:])
+    x2 = torch.randn(5, 64, generator=g)
+    ya2, _ = parent(x2)
+    assert not torch.equal(ya2, ya) and group.__dict__["_cache"] is None
