@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark the fused dequantize + matmul kernels on Llama-3.1-8B shapes (issue 6).
+"""Benchmark the fused dequantize + matmul kernels on Llama-3.1-8B shapes.
 
 For each shape × palette entry × batch size: median time of one call under CUDA-graph replay
 (weights rotated among enough copies to defeat the L2 cache, qpalette.kernel_timing), achieved
@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from qpalette import kernel_timing as kt  # noqa: E402
-from qpalette.palette import PALETTE  # noqa: E402
+from qpalette.measure import timing as kt
+from qpalette.quant.palette import PALETTE  # noqa: E402
 
 SHAPES = {
     "q/o 4096x4096": (4096, 4096),

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from qpalette.palette import get_quantizer
+from qpalette.quant.palette import get_quantizer
 
 
 def sync(device: str) -> None:

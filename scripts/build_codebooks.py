@@ -3,7 +3,7 @@
 NUQ: 1-D Lloyd–Max run to convergence on 4·10^7 N(0,1) samples. VQ: 2-D k-means on
 max(2^22, 1024·K) N(0, I₂) samples. TCQ: 2-D k-means of 2^20 N(0, I₂) samples into 2^Q
 centroids from K random samples, rescaled to an entry standard deviation of √(15/16)
-(SPEC §2). Each VQ k-means runs three times, from K random samples, from the jittered product
+(docs/method.md §2). Each VQ k-means runs three times, from K random samples, from the jittered product
 grid of two 1-D Lloyd–Max codebooks (2^⌊c/2⌋ × 2^⌈c/2⌉ levels; unjittered it is a fixed point
 of k-means) and from a hexagonal lattice companded radially to the high-rate optimal point
 density ∝ p^(1/2) (a N(0, 2I) profile), and keeps the run with the lower training MSE:
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from qpalette.codebooks import TCQ_LUT_STD, kmeans, lloyd_max_1d, nearest, product_grid
+from qpalette.quant.codebooks import TCQ_LUT_STD, kmeans, lloyd_max_1d, nearest, product_grid
 
 NUQ_BITS = range(2, 9)
 VQ_CODE_BITS = range(3, 13)  # 1.5 ... 6.0 bits per weight

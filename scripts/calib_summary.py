@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from qpalette.calibrate import spearman  # noqa: E402
+from qpalette.calibrate.sensitivity import spearman  # noqa: E402
 
 
 def main(paths):

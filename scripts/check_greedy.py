@@ -32,7 +32,7 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
-    from qpalette.bench import load_for_bench
+    from qpalette.measure.bench import load_for_bench
 
     tok = AutoTokenizer.from_pretrained(args.model)
     cpu = load_for_bench(args.model, torch.device("cpu"))  # float32; qpalette's reference path

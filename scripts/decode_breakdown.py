@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from qpalette.bench import DecodeLoop, decode_loop_step_time, load_for_bench  # noqa: E402
+from qpalette.measure.bench import DecodeLoop, decode_loop_step_time, load_for_bench  # noqa: E402
 
 KINDS = (  # first match wins: (kind, substrings of the kernel name, lower case)
     ("qpalette matmul", ("qmm_kernel",)),

@@ -37,7 +37,7 @@ def generate(model_dir: Path, prompt: str, device: str, new_tokens: int) -> tupl
     """Greedy continuation of a chat prompt and decode tokens/s (after one warm-up token)."""
     from transformers import AutoTokenizer
 
-    from qpalette.bench import load_for_bench
+    from qpalette.measure.bench import load_for_bench
 
     model = load_for_bench(model_dir, torch.device(device))
     tok = AutoTokenizer.from_pretrained(str(model_dir))
@@ -68,7 +68,7 @@ def main() -> None:
     sens, plan, qdir = args.out / "sens.json", args.out / "plan.json", args.out / "compressed"
     t_start = time.time()
 
-    from qpalette.models import resolve_model
+    from qpalette.models.sources import resolve_model
 
     src = resolve_model(args.model)
     run(["palette", "--family", "tcq", "--family", "nuq", "--family", "vq"])

@@ -25,9 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from qpalette.architecture import layer_name, linear_layers  # noqa: E402
-from qpalette.palette import get_quantizer  # noqa: E402
-from qpalette.plan_inputs import (  # noqa: E402
+from qpalette.models.topology import layer_name, linear_layers  # noqa: E402
+from qpalette.quant.palette import get_quantizer  # noqa: E402
+from qpalette.plan.inputs import (  # noqa: E402
     DISTORTION_FORMAT,
     LATENCY_FORMAT,
     SENSITIVITY_FORMAT,

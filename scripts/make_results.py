@@ -37,7 +37,7 @@ def quality(sweep: dict, figdir: Path) -> list[str]:
     out = ["## (a) Quality: SmolLM2-135M-Instruct, WikiText-2 perplexity vs average bits", ""]
     out.append(f"Perplexity over all non-overlapping 2048-token windows of `{sweep.get('text', 'WikiText-2')}`; "
                f"KL = mean KL(original ‖ compressed) on sequences sampled from the original (nats/token); "
-               f"predicted = Σ a_l·err_l from the calibrated sensitivities and the distortion table (SPEC §4). "
+               f"predicted = Σ a_l·err_l from the calibrated sensitivities and the distortion table (docs/method.md §4). "
                f"Measured on {sweep.get('device', '?')} with `scripts/sweep_smollm2.py` ({rows[0].get('dtype', '?')}).")
     out += ["", "| configuration | avg bits | perplexity | vs original | KL | predicted loss |", "|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["kind"] != "original", r.get("family", r["kind"]), r["avg_bits"])):

@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""Quality sweep on SmolLM2-135M for docs/results.md (issue 7), in one process on a GPU.
+"""Quality sweep on SmolLM2-135M for docs/results.md, in one process on a GPU.
 
 For each configuration: compress (uniform scheme, or a mixed-scheme plan made beforehand with
 `qpalette plan`, since OR-Tools need not be where the GPU is), load the checkpoint through
 transformers, and measure WikiText-2 perplexity (non-overlapping 2048-token windows) and the
 data-free KL to the original (sequences sampled from the original). Also the original itself
 and a plain round-to-nearest 4-bit group-128 baseline (no rotation, fake-quantized weights).
-Predicted loss (SPEC §4: Σ a_l·err_l) comes from the sensitivity file and the distortion table.
+Predicted loss (docs/method.md §4: Σ a_l·err_l) comes from the sensitivity file and the distortion table.
 
     python3 scripts/sweep_smollm2.py --model DIR --text wikitext2_raw_test.txt \
         --sens results/calibrate_smollm2/sens_gpu_8k_seed0.json \
@@ -37,7 +37,7 @@ UNIFORM = ["tcq-2.0", "tcq-2.5", "tcq-3.0", "tcq-3.5", "tcq-4.0",
 
 
 def predicted_loss(sens: dict, layers: dict[str, str]) -> float:
-    from qpalette.distortion import shipped_table
+    from qpalette.quant.distortion import shipped_table
 
     table = shipped_table()
     return sum(max(v["a"], 0.0) * table[layers[n]].nmse for n, v in sens["layers"].items())
@@ -61,12 +61,12 @@ def main() -> None:
     args = ap.parse_args()
 
     import qpalette  # noqa: F401  (registers the checkpoint format)
-    from qpalette.architecture import linear_layers, load_config
-    from qpalette.baselines import rtn_bits, rtn_fake_quantize
-    from qpalette.compress import CompressOptions, compress
-    from qpalette.evaluate import load_eval_text, mean_kl, perplexity, sample_reference, tokenize
+    from qpalette.models.topology import linear_layers, load_config
+    from qpalette.quant.rtn import rtn_bits, rtn_fake_quantize
+    from qpalette.compress.writer import CompressOptions, compress
+    from qpalette.measure.evaluate import load_eval_text, mean_kl, perplexity, sample_reference, tokenize
     from qpalette.fileio import atomic_write_json
-    from qpalette.models import load_model, resolve_model
+    from qpalette.models.sources import load_model, resolve_model
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[args.dtype]
