@@ -170,9 +170,9 @@ def plan(
 
       qpalette plan --show plan.json
     """
+    from qpalette.plan.document import block_table, layer_table, load_plan, plot_plan, summary, write_plan
     from qpalette.plan.planner import USER_ERRORS
     from qpalette.plan.planner import plan as make
-    from qpalette.plan.document import block_table, layer_table, load_plan, plot_plan, summary, write_plan
 
     try:
         if show is not None:
@@ -231,9 +231,9 @@ def compress(
 ) -> None:
     """Rotate and quantize a model block by block into a checkpoint transformers loads
     (after `import qpalette`)."""
-    from qpalette.runtime.checkpoint import CheckpointError
     from qpalette.compress.writer import CompressError, CompressOptions
     from qpalette.compress.writer import compress as run
+    from qpalette.runtime.checkpoint import CheckpointError
 
     opts = CompressOptions(model=model, output=output, plan=plan_file, scheme=scheme, fuse=fuse,
                            device=device, resume=resume, overwrite=overwrite, sign_seed=seed,
@@ -295,7 +295,7 @@ def eval_(
 
       qpalette eval compressed_dir --text-file wiki.test.raw --kl-to smollm2-135m --json eval.json
     """
-    from qpalette.measure.evaluate import EvalError, EvalOptions, evaluate
+    from qpalette.measure.evaluate import EvalOptions, InputError, evaluate
     from qpalette.models.sources import ModelError
 
     try:
@@ -306,7 +306,7 @@ def eval_(
             progress=not quiet,
         )
         evaluate(opts, log=typer.echo)
-    except (EvalError, ModelError) as e:
+    except (InputError, ModelError) as e:
         fail(str(e))
     except KeyboardInterrupt:
         fail("interrupted", 130)
@@ -330,10 +330,10 @@ def bench(
 ) -> None:
     """Decode tokens/s with a static KV cache and CUDA graphs: the same harness for FP16 and
     compressed models."""
-    from qpalette.measure.bench import BenchError, BenchOptions
+    from qpalette.fileio import atomic_write_json
+    from qpalette.measure.bench import BenchOptions, InputError
     from qpalette.measure.bench import bench as run
     from qpalette.runtime.checkpoint import CheckpointError
-    from qpalette.fileio import atomic_write_json
 
     try:
         sizes = tuple(int(x) for x in batch_sizes.split(",") if x.strip())
@@ -342,7 +342,7 @@ def bench(
     try:
         res = run(BenchOptions(model=model, batch_sizes=sizes, prompt_len=prompt_len, gen_len=gen_len,
                                device=device, compile=compile), log=typer.echo)
-    except (BenchError, CheckpointError) as e:
+    except (InputError, CheckpointError) as e:
         fail(str(e))
     if json_out:
         atomic_write_json(json_out, res)
@@ -363,8 +363,8 @@ def profile(
 ) -> None:
     """Measure this GPU's kernel latency for every fusion group shape × palette entry × batch size
     the model needs (plus the constant per-token overhead) into profiles `qpalette plan` reads."""
-    from qpalette.quant.palette import UnknownQuantizer, get_quantizer
     from qpalette.measure.profile import run_profile
+    from qpalette.quant.palette import UnknownQuantizer, get_quantizer
 
     try:
         sizes = [int(x) for x in batch_sizes.split(",") if x.strip()]

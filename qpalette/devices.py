@@ -1,26 +1,71 @@
-"""What a command's `--device` means: auto | cpu | cuda | cuda:N, checked against this machine."""
+"""What `--device` and `--dtype` mean, checked against this machine: the one resolver of each."""
 
 from __future__ import annotations
 
+import re
+
 import torch
 
+from qpalette.errors import InputError
 
-def resolve_device(spec: str, error: type[Exception] = ValueError) -> torch.device:
-    """auto (cuda if available, else cpu) | cpu | cuda | cuda:N; anything else, or a GPU this
-    machine lacks, raises `error` (the calling command's user-facing error) with a message."""
-    spec = spec.strip().lower()
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPE_NAMES = ("auto", "float32", "tf32", "float16", "bfloat16")
+_DTYPES = {"float32": torch.float32, "tf32": torch.float32, "float16": torch.float16,
+           "bfloat16": torch.bfloat16}
+
+
+def _visible_gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _one_device(spec: str) -> torch.device:
     if spec == "cpu":
         return torch.device("cpu")
-    if spec == "cuda" or spec.startswith("cuda:"):
-        if not torch.cuda.is_available():
-            raise error(f"--device {spec} asked for, but no CUDA GPU is visible")
-        try:
-            dev = torch.device(spec)
-        except RuntimeError:
-            raise error(f"bad --device '{spec}': use auto, cpu, cuda or cuda:N") from None
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise error(f"--device {spec}: only {torch.cuda.device_count()} CUDA GPU(s) visible")
-        return dev
-    raise error(f"bad --device '{spec}': use auto, cpu, cuda or cuda:N")
+    m = re.fullmatch(r"cuda(?::(\d+))?", spec)
+    if not m:
+        raise InputError(f"bad --device '{spec}': use auto, cpu, cuda or cuda:N")
+    n = _visible_gpus()
+    if not n:
+        raise InputError(f"--device {spec} asked for, but no CUDA GPU is visible")
+    if m[1] is not None and int(m[1]) >= n:
+        raise InputError(f"--device {spec}: only {n} CUDA GPU(s) visible")
+    return torch.device(spec)
+
+
+def resolve_device(spec: str) -> torch.device:
+    """auto (cuda if available, else cpu) | cpu | cuda | cuda:N."""
+    spec = spec.strip().lower()
+    if spec == "auto":
+        return torch.device("cuda" if _visible_gpus() else "cpu")
+    return _one_device(spec)
+
+
+def resolve_devices(spec: str) -> list[torch.device]:
+    """Several workers: auto (every GPU, else cpu) | cpu | cuda (every GPU) | cuda:0,cuda:1 | cpu,cpu."""
+    spec = spec.strip().lower()
+    n = _visible_gpus()
+    if spec == "auto":
+        return [torch.device(f"cuda:{i}") for i in range(n)] or [torch.device("cpu")]
+    if spec == "cuda":
+        _one_device("cuda")
+        return [torch.device(f"cuda:{i}") for i in range(n)]
+    return [_one_device(part.strip()) for part in spec.split(",")]
+
+
+def resolve_dtype(name: str, device: torch.device, auto_cuda: str = "float16") -> torch.dtype:
+    """auto (float32 on CPU, `auto_cuda` on CUDA) | float32 | tf32 | float16 | bfloat16.
+
+    tf32 is float32 storage with TensorFloat-32 matmuls: choosing it (or float32) sets torch's
+    matmul precision for the process."""
+    name = name.strip().lower()
+    if name not in DTYPE_NAMES:
+        raise InputError(f"bad --dtype '{name}': use {', '.join(DTYPE_NAMES)}")
+    if name == "auto":
+        name = auto_cuda if device.type == "cuda" else "float32"
+    if name in ("tf32", "float32"):
+        torch.backends.cuda.matmul.allow_tf32 = name == "tf32"
+        torch.backends.cudnn.allow_tf32 = name == "tf32"
+    return _DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

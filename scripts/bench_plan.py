@@ -28,10 +28,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from qpalette.models.topology import linear_layers  # noqa: E402
-from qpalette.quant.palette import PALETTE  # noqa: E402
+from qpalette.models.topology import (
+    GROUPS,  # noqa: E402
+    linear_layers,  # noqa: E402
+)
 from qpalette.plan.planner import plan  # noqa: E402
-from qpalette.plan.inputs import GROUPS  # noqa: E402
+from qpalette.quant.palette import PALETTE  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 REF = ROOT / "profiles" / "reference"

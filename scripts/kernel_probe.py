@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from qpalette.runtime import ops
 from qpalette.measure.timing import random_layer  # noqa: E402
+from qpalette.runtime import ops
 
 rows, cols = 14336, 4096
 for name in sys.argv[1:]:

@@ -61,12 +61,12 @@ def main() -> None:
     args = ap.parse_args()
 
     import qpalette  # noqa: F401  (registers the checkpoint format)
+    from qpalette.compress.writer import CompressOptions, compress
+    from qpalette.fileio import atomic_write_json
+    from qpalette.measure.evaluate import load_eval_text, mean_kl, perplexity, sample_reference, tokenize
+    from qpalette.models.sources import load_model, resolve_model
     from qpalette.models.topology import linear_layers, load_config
     from qpalette.quant.rtn import rtn_bits, rtn_fake_quantize
-    from qpalette.compress.writer import CompressOptions, compress
-    from qpalette.measure.evaluate import load_eval_text, mean_kl, perplexity, sample_reference, tokenize
-    from qpalette.fileio import atomic_write_json
-    from qpalette.models.sources import load_model, resolve_model
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[args.dtype]

@@ -24,10 +24,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from qpalette.calibrate.sensitivity import (  # noqa: E402
-    BlockEvaluator, linear_layers, ref_cache_budget, resolve_dtype, sample_tokens, spearman,
+    BlockEvaluator,
+    linear_layers,
+    ref_cache_budget,
+    resolve_dtype,
+    sample_tokens,
+    spearman,
 )
-from qpalette.quant.incoherence import random_signs, rotate_weight, unrotate_weight  # noqa: E402
 from qpalette.models.sources import load_model, resolve_model  # noqa: E402
+from qpalette.quant.incoherence import random_signs, rotate_weight, unrotate_weight  # noqa: E402
 from qpalette.quant.palette import get_quantizer  # noqa: E402
 
 DEFAULT_ENTRIES = ["nuq-3", "nuq-4", "nuq-5", "vq-2.0", "vq-2.5", "vq-3.0", "vq-4.0", "tcq-2.0", "tcq-3.0"]

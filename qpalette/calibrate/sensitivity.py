@@ -34,14 +34,11 @@ from typing import Callable, Iterable
 import torch
 import torch.nn.functional as F
 
+from qpalette.errors import CalibrationError
 from qpalette.fileio import atomic_write_json
 
 FORMAT = "qpalette.sensitivity/1"
 PARTIAL_FORMAT = "qpalette.sensitivity-partial/1"
-
-
-class CalibrationError(Exception):
-    """A user-facing problem (bad option, mismatching resume file...)."""
 
 
 # --------------------------------------------------------------------------- small pieces

@@ -24,23 +24,28 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as safetensors_bytes
 
-from qpalette import __version__
+from qpalette.devices import resolve_device
+from qpalette.errors import CompressError, UnknownQuantizer, UnsupportedShape
+from qpalette.fileio import atomic_write, atomic_write_json, read_json_object
 from qpalette.models.topology import (
-    ArchitectureError,
     LayerShape,
     check_config,
+    group_module,
     linear_layers,
     load_config,
 )
-from qpalette.runtime.checkpoint import CODEBOOKS_MODULE, GROUP_MODULES, Layout, group_key, parent_and_attr, sign_seed
 from qpalette.quant.codebooks import codebook
-from qpalette.devices import resolve_device
-from qpalette.fileio import atomic_write, atomic_write_json, read_json_object
-from qpalette.quant.hadamard import UnsupportedHadamardSize, decompose
+from qpalette.quant.hadamard import decompose
 from qpalette.quant.incoherence import pack_signs, random_signs, rotate_weight
-from qpalette.quant.palette import UnknownQuantizer, get_quantizer
+from qpalette.quant.palette import get_quantizer
+from qpalette.runtime.checkpoint import (
+    CODEBOOKS_MODULE,
+    Layout,
+    parent_and_attr,
+    sign_seed,
+)
 from qpalette.runtime.modules import buffer_name
-from qpalette.quant.tiles import UnsupportedShape
+from qpalette.version import __version__
 
 PROGRESS_FORMAT = "qpalette.compress-progress/1"
 PLAN_FORMAT = "qpalette.plan/1"
@@ -48,10 +53,6 @@ PROGRESS_FILE = "qpalette-progress.json"
 REPORT_FILE = "qpalette-compress.json"
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
 _NOT_COPIED = {"config.json", "model.safetensors.index.json", "README.md", PROGRESS_FILE}
-
-
-class CompressError(Exception):
-    """A user-facing compress failure; the message says what to do."""
 
 
 class StopAfterShard(Exception):
@@ -87,7 +88,7 @@ def layout_from_scheme(scheme: str, layers: list[LayerShape], fuse: bool, seed: 
                 by_parent.setdefault((l.block, l.input_group), []).append(l)
         for members in by_parent.values():
             names = [m.name for m in members]
-            gname = f"{parent_and_attr(names[0])[0]}.{GROUP_MODULES[group_key([m.kind for m in members])]}"
+            gname = group_module(names[0], [m.kind for m in members])
             groups[gname] = names
     return Layout({l.name: q for l in layers}, groups, seed)
 
@@ -122,7 +123,7 @@ def layout_from_plan(path: Path, layers: list[LayerShape], fuse: bool, seed: int
                 names = list(g.get("layers", []))
                 if len(names) > 1:
                     kinds = [known[n].kind for n in names]
-                    groups[f"{parent_and_attr(names[0])[0]}.{GROUP_MODULES[group_key(kinds)]}"] = names
+                    groups[group_module(names[0], kinds)] = names
     try:
         return Layout(chosen, groups, seed), plan
     except (UnknownQuantizer, ValueError, KeyError) as e:
@@ -136,7 +137,7 @@ def check_shapes(layout: Layout, layers: list[LayerShape]) -> None:
         try:
             get_quantizer(layout.layers[l.name]).check_shape(l.out_features, l.in_features)
             decompose(l.in_features)
-        except (UnsupportedShape, UnsupportedHadamardSize) as e:
+        except (UnsupportedShape, UnsupportedShape) as e:
             problems.append(f"{l.name} ({layout.layers[l.name]}): {e}")
     if problems:
         raise CompressError("unsupported layer shapes:\n  " + "\n  ".join(problems[:10]))
@@ -322,6 +323,7 @@ layer with random weights: the model loads but produces garbage.
 ```python
 import qpalette  # registers the qpalette quantizer with transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from qpalette.errors import CompressError, ModelError, UnknownQuantizer, UnsupportedShape
 
 model = AutoModelForCausalLM.from_pretrained("path/to/this/folder")
 # or: model = qpalette.from_pretrained("path/to/this/folder")  (picks device and dtype)
@@ -352,7 +354,7 @@ def compress(opts: CompressOptions, log: Callable[[str], None] = print) -> dict:
         cfg = load_config(src_dir)
         check_config(cfg)
         layers = linear_layers(cfg)
-    except (ModelError, ArchitectureError) as e:
+    except (ModelError, ModelError) as e:
         raise CompressError(str(e)) from None
     try:
         if opts.scheme:
@@ -363,7 +365,7 @@ def compress(opts: CompressOptions, log: Callable[[str], None] = print) -> dict:
     except UnknownQuantizer as e:
         raise CompressError(str(e)) from None
     check_shapes(layout, layers)
-    device = resolve_device(opts.device, CompressError)
+    device = resolve_device(opts.device)
     src = SourceCheckpoint(src_dir)
     missing = [f"{l.name}.weight" for l in layers if f"{l.name}.weight" not in src.files]
     if missing:

@@ -25,10 +25,7 @@ from typing import Callable
 import torch
 
 from qpalette.devices import resolve_device
-
-
-class BenchError(Exception):
-    pass
+from qpalette.errors import InputError
 
 
 @dataclass
@@ -161,13 +158,13 @@ def decode_loop_step_time(model, batch: int, prompt_len: int, gen_len: int, comp
 def bench(opts: BenchOptions, log: Callable[[str], None] = print) -> dict:
     from qpalette.models.sources import ModelError, resolve_model
 
-    device = resolve_device(opts.device, BenchError)
+    device = resolve_device(opts.device)
     if min(opts.batch_sizes) < 1 or opts.prompt_len < 1 or opts.gen_len < 4:
-        raise BenchError("batch sizes and prompt length must be ≥ 1 and --gen-len ≥ 4")
+        raise InputError("batch sizes and prompt length must be ≥ 1 and --gen-len ≥ 4")
     try:
         path = resolve_model(opts.model, quiet=True)
     except ModelError as e:
-        raise BenchError(str(e)) from None
+        raise InputError(str(e)) from None
     model = load_for_bench(path, device)
     if device.type == "cpu":
         log("note: on CPU there are no CUDA graphs and qpalette layers run the pure-PyTorch "

@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from qpalette.devices import resolve_device
+from qpalette.devices import dtype_name, resolve_device, resolve_dtype
+from qpalette.errors import InputError
 
 FORMAT = "qpalette.eval/1"
 DATASETS = {
@@ -34,28 +35,6 @@ DATASETS = {
     "wikitext2": ("Salesforce/wikitext", "wikitext-2-raw-v1", "test"),
 }
 DATASET_ALIASES = {"wikitext-2": "wikitext2", "wikitext": "wikitext2", "wiki2": "wikitext2"}
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-class EvalError(Exception):
-    """A user-facing problem (bad option, missing file, unusable text or model pair)."""
-
-
-# --------------------------------------------------------------------------- devices, dtypes
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto: float32 on CPU, float16 on CUDA (the FP16 baseline the compressed models run against)."""
-    name = name.strip().lower()
-    if name == "auto":
-        return torch.float16 if device.type == "cuda" else torch.float32
-    if name not in DTYPES:
-        raise EvalError(f"bad --dtype '{name}': use auto, float32, float16 or bfloat16")
-    return DTYPES[name]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 # --------------------------------------------------------------------------- text
@@ -65,20 +44,20 @@ def load_eval_text(dataset: str | None = None, text_file: str | Path | None = No
     """(text, source description). `text_file` is read as is (UTF-8, universal newlines);
     `dataset` (default wikitext2) is loaded through `datasets` and its lines joined with "\\n\\n"."""
     if dataset and text_file:
-        raise EvalError("give --dataset or --text-file, not both")
+        raise InputError("give --dataset or --text-file, not both")
     if text_file:
         p = Path(text_file).expanduser()
         if not p.is_file():
-            raise EvalError(f"--text-file {p}: no such file")
+            raise InputError(f"--text-file {p}: no such file")
         try:
             text = p.read_text(encoding="utf-8", errors="replace")
         except OSError as e:
-            raise EvalError(f"--text-file {p}: {e.strerror or e}") from None
+            raise InputError(f"--text-file {p}: {e.strerror or e}") from None
         return text, f"file:{p.name}"
     name = (dataset or "wikitext2").strip().lower()
     name = DATASET_ALIASES.get(name, name)
     if name not in DATASETS:
-        raise EvalError(f"unknown --dataset '{dataset}': choose from {', '.join(DATASETS)} "
+        raise InputError(f"unknown --dataset '{dataset}': choose from {', '.join(DATASETS)} "
                         "(or give any local text with --text-file)")
     path, config, split = DATASETS[name]
     try:
@@ -87,7 +66,7 @@ def load_eval_text(dataset: str | None = None, text_file: str | Path | None = No
         ds = datasets.load_dataset(path, config, split=split)
     except Exception as e:  # noqa: BLE001 - offline, hub errors, cache problems: all reported alike
         first = (str(e).splitlines() or [""])[0][:200]
-        raise EvalError(
+        raise InputError(
             f"cannot load {name} ({path}, {config}, {split}) through `datasets` "
             f"({type(e).__name__}: {first}). Offline? Pass the raw test text with --text-file FILE."
         ) from None
@@ -98,7 +77,7 @@ def tokenize(tokenizer, text: str) -> torch.Tensor:
     """The whole text as one 1-D int64 tensor (the tokenizer's own special tokens, e.g. a leading
     BOS, as in the GPTQ protocol); no 'sequence too long' warning."""
     if tokenizer is None:
-        raise EvalError("the model has no tokenizer; perplexity needs one")
+        raise InputError("the model has no tokenizer; perplexity needs one")
     from transformers.utils import logging as hf_logging
 
     level = hf_logging.get_verbosity()
@@ -141,18 +120,18 @@ def perplexity(model, ids: torch.Tensor, ctx: int = 2048, max_windows: int | Non
                source: str = "") -> Perplexity:
     """Perplexity of `model` over non-overlapping windows of `ctx` tokens of the 1-D `ids`."""
     if ctx < 2:
-        raise EvalError("--ctx must be at least 2")
+        raise InputError("--ctx must be at least 2")
     if max_windows is not None and max_windows < 1:
-        raise EvalError("--max-windows must be at least 1")
+        raise InputError("--max-windows must be at least 1")
     if batch_size < 1:
-        raise EvalError("--batch-size must be at least 1")
+        raise InputError("--batch-size must be at least 1")
     ids = ids.reshape(-1)
     total = ids.numel() // ctx
     if total < 1:
-        raise EvalError(f"the text has {ids.numel()} tokens, fewer than one window of --ctx {ctx}")
+        raise InputError(f"the text has {ids.numel()} tokens, fewer than one window of --ctx {ctx}")
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit and ctx > limit:
-        raise EvalError(f"--ctx {ctx} is longer than the model's max_position_embeddings ({limit})")
+        raise InputError(f"--ctx {ctx} is longer than the model's max_position_embeddings ({limit})")
     n = min(total, max_windows) if max_windows else total
     windows = ids[: n * ctx].view(n, ctx)
     device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -244,7 +223,7 @@ def mean_kl(ref_model, model, tokens: torch.Tensor, device=None, batch_tokens: i
             ref = _logprobs(ref_model, x)
             lp = _logprobs(model, x)
             if ref.shape[-1] != lp.shape[-1]:
-                raise EvalError(f"the reference predicts {ref.shape[-1]} token ids, the model "
+                raise InputError(f"the reference predicts {ref.shape[-1]} token ids, the model "
                                 f"{lp.shape[-1]}: KL needs the same vocabulary")
             total += float(F.kl_div(lp, ref, log_target=True, reduction="sum").double())
             del ref, lp
@@ -258,11 +237,11 @@ def kl_to_reference(model, ref_model, ref_tokenizer, num_seqs: int = 32, seq_len
                     seed: int = 0, device=None, progress: bool = False, reference: str = "") -> KL:
     """Data-free KL: sample from the reference, then mean KL(ref ‖ model) over those tokens."""
     if num_seqs < 1 or seq_len < 1:
-        raise EvalError("--kl-seqs and --kl-len must be at least 1")
+        raise InputError("--kl-seqs and --kl-len must be at least 1")
     ref_vocab = getattr(ref_model.config, "vocab_size", None)
     vocab = getattr(model.config, "vocab_size", None)
     if ref_vocab and vocab and ref_vocab != vocab:
-        raise EvalError(f"the reference has {ref_vocab} token ids, the model {vocab}: KL needs the "
+        raise InputError(f"the reference has {ref_vocab} token ids, the model {vocab}: KL needs the "
                         "same vocabulary (compare a model with its own original)")
     device = torch.device(device) if device is not None else next(model.parameters()).device
     t0 = time.perf_counter()
@@ -305,14 +284,14 @@ def evaluate(opts: EvalOptions, log: Callable[[str], None] = print) -> dict:
     from qpalette.models.sources import load_model, resolve_model
 
     if opts.dataset and opts.text_file:
-        raise EvalError("give --dataset or --text-file, not both")
+        raise InputError("give --dataset or --text-file, not both")
     if opts.ctx < 2:
-        raise EvalError("--ctx must be at least 2")
+        raise InputError("--ctx must be at least 2")
     if opts.max_windows is not None and opts.max_windows < 1:
-        raise EvalError("--max-windows must be at least 1")
+        raise InputError("--max-windows must be at least 1")
     if opts.kl_seqs < 1 or opts.kl_len < 1:
-        raise EvalError("--kl-seqs and --kl-len must be at least 1")
-    device = resolve_device(opts.device, EvalError)
+        raise InputError("--kl-seqs and --kl-len must be at least 1")
+    device = resolve_device(opts.device)
     dtype = resolve_dtype(opts.dtype, device)
     do_ppl = bool(opts.dataset or opts.text_file or not opts.kl_to)
     t_start = time.perf_counter()

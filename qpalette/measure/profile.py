@@ -26,11 +26,12 @@ from pathlib import Path
 
 import torch
 
-from qpalette.models import topology as architecture
-from qpalette.measure import timing as kernel_timing
 from qpalette.fileio import atomic_write
+from qpalette.measure import timing as kernel_timing
+from qpalette.models import topology as architecture
+from qpalette.models.topology import GROUPS
+from qpalette.plan.inputs import LATENCY_FORMAT
 from qpalette.quant.palette import PALETTE, get_quantizer
-from qpalette.plan.inputs import GROUPS, LATENCY_FORMAT
 
 
 def load_model_config(model: str) -> tuple[dict, str]:

@@ -13,8 +13,8 @@ import statistics
 
 import torch
 
-from qpalette.runtime import ops
 from qpalette.quant.palette import get_quantizer
+from qpalette.runtime import ops
 
 L2_FLUSH_BYTES = 256 << 20  # bytes of distinct weights a graph cycles through (H100 L2: 50 MB)
 MAX_COPIES = 256

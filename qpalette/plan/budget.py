@@ -18,15 +18,13 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 
+from qpalette.errors import BudgetError
+
 _UNITS = {
     "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
 _TIME = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6}
-
-
-class BudgetError(ValueError):
-    pass
 
 
 @dataclass(frozen=True)

@@ -7,16 +7,13 @@ import math
 import os
 from pathlib import Path
 
-from qpalette.plan.budget import Budget
+from qpalette.errors import InputError
 from qpalette.fileio import atomic_write, read_json_object
+from qpalette.models.topology import GROUPS
+from qpalette.plan.budget import Budget
 from qpalette.plan.program import Problem, Solution, choose_groups, gap_decomposition, usage
-from qpalette.plan.inputs import GROUPS
 
 PLAN_FORMAT = "qpalette.plan/1"
-
-
-class PlanFileError(ValueError):
-    pass
 
 
 def make_plan(
@@ -147,7 +144,7 @@ def write_plan(plan: dict, path: str | Path) -> None:
 
 
 def load_plan(path: str | Path) -> dict:
-    return read_json_object(path, "plan", PlanFileError, PLAN_FORMAT, "written by `qpalette plan`")
+    return read_json_object(path, "plan", InputError, PLAN_FORMAT, "written by `qpalette plan`")
 
 
 # -- text ---------------------------------------------------------------------------------------

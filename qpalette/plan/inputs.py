@@ -14,28 +14,16 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from qpalette.quant.distortion import DistortionRow
+from qpalette.errors import InputError, UnknownQuantizer
 from qpalette.fileio import read_json_object
-from qpalette.quant.palette import UnknownQuantizer, get_quantizer
+from qpalette.models.topology import GROUP_ALIASES, GROUPS
+from qpalette.quant.distortion import DistortionRow
+from qpalette.quant.palette import get_quantizer
 
 SENSITIVITY_FORMAT = "qpalette.sensitivity/1"
 LATENCY_FORMAT = "qpalette.latency/1"
 DISTORTION_FORMAT = "qpalette.distortion/1"
 
-#: fusion groups of one block (docs/method.md §5) → the layer kinds they cover, in row-concatenation order
-GROUPS: dict[str, tuple[str, ...]] = {
-    "q": ("q",), "k": ("k",), "v": ("v",), "o": ("o",),
-    "gate": ("gate",), "up": ("up",), "down": ("down",),
-    "qk": ("q", "k"), "kv": ("k", "v"), "qv": ("q", "v"), "qkv": ("q", "k", "v"),
-    "gateup": ("gate", "up"),
-}
-SINGLE_GROUPS = ("q", "k", "v", "o", "gate", "up", "down")
-FUSED_GROUPS = ("qk", "kv", "qv", "qkv", "gateup")
-_GROUP_ALIASES = {"gate_up": "gateup", "q_k": "qk", "k_v": "kv", "q_v": "qv", "q_k_v": "qkv"}
-
-
-class InputError(ValueError):
-    """A sensitivity / latency / distortion file that cannot be used; the message says why."""
 
 
 def sha256_file(path: str | Path) -> str:
@@ -123,7 +111,7 @@ def load_latency(path: str | Path) -> LatencyProfile:
         raise InputError(f"{path}: 'groups' must map group → quantizer → seconds")
     groups: dict[str, dict[str, float]] = {}
     for g, row in raw.items():
-        gname = _GROUP_ALIASES.get(g, g)
+        gname = GROUP_ALIASES.get(g, g)
         if gname not in GROUPS:
             raise InputError(f"{path}: unknown group {g!r}; groups are {', '.join(GROUPS)}")
         if not isinstance(row, dict):
@@ -141,7 +129,7 @@ def load_latency(path: str | Path) -> LatencyProfile:
         groups[gname] = out
     shapes = {}
     for g, s in (data.get("shapes") or {}).items():
-        gname = _GROUP_ALIASES.get(g, g)
+        gname = GROUP_ALIASES.get(g, g)
         if not (isinstance(s, list) and len(s) == 2 and all(isinstance(x, int) and x > 0 for x in s)):
             raise InputError(f"{path}: shape of group {g} {s!r} is not [out, in]")
         shapes[gname] = (s[0], s[1])

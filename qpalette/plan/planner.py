@@ -13,18 +13,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from qpalette.models.topology import (
-    ArchitectureError,
-    dims,
-    layers_from_shapes,
-    linear_layers,
-    load_config,
-    unquantized_params,
-)
-from qpalette.plan.budget import Budget, BudgetError, parse_budgets
-from qpalette.quant.palette import FAMILIES, UnknownQuantizer, get_quantizer, palette_entries
+from qpalette.errors import BudgetError, InputError, ModelError, PlanError, UnknownQuantizer
+from qpalette.models.topology import dims, layers_from_shapes, linear_layers, load_config, unquantized_params
+from qpalette.plan.budget import Budget, parse_budgets
+from qpalette.plan.document import make_plan
 from qpalette.plan.inputs import (
-    InputError,
     find_shipped_profile,
     load_distortion,
     load_latency,
@@ -32,10 +25,10 @@ from qpalette.plan.inputs import (
     sha256_file,
     shipped_latency_profiles,
 )
-from qpalette.plan.document import PlanFileError, make_plan
-from qpalette.plan.program import PlanError, build_problem, check_latency_profile, solve
+from qpalette.plan.program import build_problem, check_latency_profile, solve
+from qpalette.quant.palette import FAMILIES, get_quantizer, palette_entries
 
-USER_ERRORS = (ArchitectureError, BudgetError, InputError, PlanError, PlanFileError, UnknownQuantizer)
+USER_ERRORS = (ModelError, BudgetError, InputError, PlanError, InputError, UnknownQuantizer)
 
 
 def parse_palette(specs: list[str] | None) -> tuple[list, bool]:
@@ -104,7 +97,7 @@ def resolve_model(model: str | None, sens) -> ModelInfo:
         if models.ALIASES.get(model.lower(), model.lower()) in models.DEFAULT_MODELS:
             try:
                 return _from_models(model, sens)
-            except ArchitectureError as e:
+            except ModelError as e:
                 if sens is None or not sens.shapes:
                     raise
                 notes.append(f"{e}; using the sensitivity file's layer shapes")
@@ -118,11 +111,11 @@ def resolve_model(model: str | None, sens) -> ModelInfo:
                 "notes": notes,
             })
     if model is None:
-        raise ArchitectureError(
+        raise ModelError(
             "no MODEL given and the sensitivity file does not list every layer's shape; "
             "pass the model directory or its config.json"
         )
-    raise ArchitectureError(
+    raise ModelError(
         f"model {model!r}: no such directory or config.json (plan never downloads from the hub; "
         "pass a local Hugging Face model directory or its config.json"
         + (f"; the sensitivity file is for {sens.model!r}" if sens and sens.model else "") + ")"
@@ -135,7 +128,7 @@ def _from_models(model: str, sens) -> ModelInfo:
     try:
         d = models.resolve_model(model)
     except models.ModelError as e:
-        raise ArchitectureError(str(e)) from None
+        raise ModelError(str(e)) from None
     return _from_config(model, Path(d) / "config.json", sens)
 
 

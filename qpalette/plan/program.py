@@ -33,25 +33,23 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from itertools import product
 
-from qpalette.models.topology import KINDS, UNQUANTIZED_BYTES_PER_PARAM, LayerShape, sign_vector_bytes
+from qpalette.errors import InfeasibleBudget, InputError, PlanError, UnsupportedShape
+from qpalette.models.topology import (
+    FUSED_GROUPS,
+    GROUPS,
+    KINDS,
+    SINGLE_GROUPS,
+    UNQUANTIZED_BYTES_PER_PARAM,
+    LayerShape,
+    sign_vector_bytes,
+)
 from qpalette.plan.budget import Budget
+from qpalette.plan.inputs import LatencyProfile
 from qpalette.quant.codebooks import codebook
 from qpalette.quant.palette import Quantizer
-from qpalette.plan.inputs import FUSED_GROUPS, GROUPS, SINGLE_GROUPS, InputError, LatencyProfile
-from qpalette.quant.tiles import UnsupportedShape
 
 RESOURCES = ("bits", "bytes", "latency")
 FEASTOL = 1e-9  # SCIP's (relative) feasibility tolerance
-
-
-class PlanError(ValueError):
-    """The planning problem has no answer (or cannot be set up); the message says why."""
-
-
-class InfeasibleBudget(PlanError):
-    def __init__(self, message: str, smallest: dict[str, float]):
-        super().__init__(message)
-        self.smallest = smallest
 
 
 @dataclass(frozen=True)

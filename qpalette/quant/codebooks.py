@@ -17,12 +17,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from qpalette.errors import CodebookError
+
 CODEBOOK_FILE = "codebooks.safetensors"
 TCQ_LUT_STD = math.sqrt(15 / 16)
-
-
-class CodebookError(RuntimeError):
-    pass
 
 
 def profiles_dir() -> Path:

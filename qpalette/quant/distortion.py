@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from qpalette.quant.codebooks import profiles_dir
 from qpalette.fileio import atomic_write_json
+from qpalette.quant.codebooks import profiles_dir
 from qpalette.quant.palette import Quantizer
 
 TABLE_FILE = "distortion_gaussian.json"

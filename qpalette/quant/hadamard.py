@@ -17,11 +17,9 @@ import math
 import numpy as np
 import torch
 
+from qpalette.errors import UnsupportedShape
+
 MAX_DENSE_ORDER = 1024  # largest K we build; beyond that the online transform would be slow
-
-
-class UnsupportedHadamardSize(ValueError):
-    """No K·2^m decomposition of this size has a constructible K."""
 
 
 def _prime_power(q: int) -> tuple[int, int] | None:
@@ -126,7 +124,7 @@ def hadamard_matrix(order: int) -> np.ndarray:
         return np.kron(h2, hadamard_matrix(order // 2))
     kind = _paley_kind(order)
     if kind is None:
-        raise UnsupportedHadamardSize(f"no Paley construction for Hadamard order {order}")
+        raise UnsupportedShape(f"no Paley construction for Hadamard order {order}")
     name, q = kind
     chi = _quadratic_character_table(q)
     if name == "I":
@@ -148,7 +146,7 @@ def hadamard_matrix(order: int) -> np.ndarray:
 def decompose(n: int) -> tuple[int, int]:
     """(K, 2^m) with n = K·2^m and K the smallest order we can construct; raises if none."""
     if n < 1:
-        raise UnsupportedHadamardSize(f"size {n} must be positive")
+        raise UnsupportedShape(f"size {n} must be positive")
     two = n & -n
     odd = n // two
     if odd == 1:
@@ -158,7 +156,7 @@ def decompose(n: int) -> tuple[int, int]:
         if n % k == 0 and _paley_kind(k) is not None:
             return k, n // k
         k *= 2
-    raise UnsupportedHadamardSize(
+    raise UnsupportedShape(
         f"size {n} = {odd}·2^{two.bit_length() - 1}: no Hadamard order {odd}·2^j ≤ "
         f"{MAX_DENSE_ORDER} dividing it is Paley-constructible"
     )

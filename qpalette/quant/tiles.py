@@ -13,12 +13,10 @@ import functools
 
 import torch
 
+from qpalette.errors import UnsupportedShape
+
 TILE = 16
 TILE_WEIGHTS = TILE * TILE
-
-
-class UnsupportedShape(ValueError):
-    """The packed formats need both matrix dimensions to be multiples of 16."""
 
 
 @functools.lru_cache(maxsize=None)

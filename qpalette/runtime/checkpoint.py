@@ -22,8 +22,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from qpalette import __version__
-from qpalette.models.topology import INPUT_GROUPS, parse_layer_name
+from qpalette.errors import CheckpointError
+from qpalette.models.topology import (
+    GROUP_MODULES,
+    INPUT_GROUP_ORDER,
+    group_key,
+    group_module,
+    parse_layer_name,
+    rotation_module,
+)
 from qpalette.quant.incoherence import unpack_signs, unrotate_weight
 from qpalette.quant.palette import get_quantizer
 from qpalette.runtime.modules import (
@@ -34,20 +41,11 @@ from qpalette.runtime.modules import (
     install_cache_reset,
     remove_cache_reset,
 )
+from qpalette.version import __version__
 
 FORMAT = "qpalette.checkpoint/1"
 QUANT_METHOD = "qpalette"
 CODEBOOKS_MODULE = "qpalette_codebooks"
-#: module name of a fused group (by its member kinds) and of each input group's rotation
-GROUP_MODULES = {"qk": "qk_proj", "qv": "qv_proj", "kv": "kv_proj", "qkv": "qkv_proj",
-                 "gateup": "gate_up_proj"}
-ROTATION_MODULES = {"qkv": "rotate_qkv", "o": "rotate_o", "gateup": "rotate_gate_up",
-                    "down": "rotate_down"}
-_INPUT_GROUP_ORDER = ("qkv", "o", "gateup", "down")
-
-
-class CheckpointError(ValueError):
-    """A compressed checkpoint (or its quantization_config) qpalette cannot use."""
 
 
 def parent_and_attr(name: str) -> tuple[str, str]:
@@ -55,14 +53,9 @@ def parent_and_attr(name: str) -> tuple[str, str]:
     return parent, attr
 
 
-def group_key(kinds: list[str]) -> str:
-    """'qkv' for [q, k, v], 'gateup' for [gate, up]."""
-    return "".join(kinds)
-
-
 def sign_seed(base: int, block: int, input_group: str) -> int:
     """Seed of one block's sign vector for one input group (documented in docs/format.md)."""
-    return base * 1_000_003 + 8 * block + _INPUT_GROUP_ORDER.index(input_group)
+    return base * 1_000_003 + 8 * block + INPUT_GROUP_ORDER.index(input_group)
 
 
 @dataclass
@@ -80,7 +73,7 @@ class Layout:
             kinds = [parse_layer_name(m)[1] for m in members]
             if len(members) < 2 or group_key(kinds) not in GROUP_MODULES:
                 raise CheckpointError(f"fused group {gname}: {members} is not a fusable group")
-            expect = f"{parent_and_attr(members[0])[0]}.{GROUP_MODULES[group_key(kinds)]}"
+            expect = group_module(members[0], kinds)
             if gname != expect or len({parent_and_attr(m)[0] for m in members}) != 1:
                 raise CheckpointError(f"fused group {gname}: members {members} (expected {expect})")
             if len({self.layers.get(m) for m in members}) != 1 or members[0] not in self.layers:
@@ -94,8 +87,7 @@ class Layout:
         return sorted({c for q in self.layers.values() for c in get_quantizer(q).codebooks})
 
     def rotation_of(self, layer: str) -> str:
-        parent = parent_and_attr(layer)[0]
-        return f"{parent}.{ROTATION_MODULES[INPUT_GROUPS[parse_layer_name(layer)[1]]]}"
+        return rotation_module(layer)
 
     def group_of(self, layer: str) -> str | None:
         return next((g for g, ms in self.groups.items() if layer in ms), None)

@@ -16,10 +16,10 @@ from transformers.quantizers import HfQuantizer, register_quantization_config, r
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from qpalette.errors import CheckpointError
 from qpalette.runtime.checkpoint import (
     CODEBOOKS_MODULE,
     QUANT_METHOD,
-    CheckpointError,
     Layout,
     convert_model,
     dequantize_model,

@@ -16,11 +16,9 @@ import os
 import warnings
 from pathlib import Path
 
+from qpalette.errors import KernelError
+
 SOURCE_SUFFIXES = (".cu", ".cuh", ".h", ".cpp")
-
-
-class KernelBuildError(RuntimeError):
-    pass
 
 
 def source_dir() -> Path:
@@ -61,7 +59,7 @@ def _load(arch: str):
     from torch.utils import cpp_extension
 
     if int(arch) < 80:
-        raise KernelBuildError(f"the kernels need compute capability 8.0 or newer (this GPU: sm_{arch})")
+        raise KernelError(f"the kernels need compute capability 8.0 or newer (this GPU: sm_{arch})")
     files = sources()
     name = f"qpalette_kernels_{_digest(files, arch)}"
     build = cache_dir() / name
@@ -83,11 +81,11 @@ def _load(arch: str):
             verbose=verbose,
         )
     except Exception as e:  # compiler missing, build error, …
-        raise KernelBuildError(f"building the qpalette CUDA kernels for sm_{arch} failed: {e}") from e
+        raise KernelError(f"building the qpalette CUDA kernels for sm_{arch} failed: {e}") from e
 
 
 def extension(device=None):
-    """The compiled module for `device`'s architecture (builds on first use; raises KernelBuildError)."""
+    """The compiled module for `device`'s architecture (builds on first use; raises KernelError)."""
     return _load(arch_of(device))
 
 
@@ -96,7 +94,7 @@ def _available(arch: str) -> bool:
     try:
         _load(arch)
         return True
-    except KernelBuildError as e:
+    except KernelError as e:
         warnings.warn(f"{e}; using the PyTorch reference path", stacklevel=3)
         return False
 

@@ -20,10 +20,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qpalette.runtime import ops
 from qpalette.quant.codebooks import codebook
 from qpalette.quant.incoherence import pack_signs
 from qpalette.quant.palette import get_quantizer
+from qpalette.runtime import ops
 
 
 class _KeepsFp16(nn.Module):

@@ -19,11 +19,12 @@ from typing import Optional
 
 import torch
 
-from qpalette.runtime import kernel_build as kernels
+from qpalette.errors import UnsupportedShape
 from qpalette.quant.codebooks import codebook
-from qpalette.quant.hadamard import UnsupportedHadamardSize, decompose, hadamard_matrix
+from qpalette.quant.hadamard import decompose, hadamard_matrix
 from qpalette.quant.incoherence import rotate_input, unpack_signs
 from qpalette.quant.palette import QuantizedMatrix, get_quantizer
+from qpalette.runtime import kernel_build as kernels
 
 FUSED_MAX_ROWS = 8          # activation rows the fused kernel takes (mma n = 8)
 HADAMARD_MAX_N = 32768      # row length the Hadamard kernel holds in shared memory (fp32)
@@ -110,7 +111,7 @@ def _hadamard_ok(n: int) -> bool:
     try:
         decompose(n)
         return n % 8 == 0
-    except UnsupportedHadamardSize:
+    except UnsupportedShape:
         return False
 
 

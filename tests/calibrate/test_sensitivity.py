@@ -13,10 +13,19 @@ from typer.testing import CliRunner
 
 import qpalette.calibrate.sensitivity as cal
 from qpalette.calibrate.sensitivity import (
-    BlockEvaluator, CalibrateOptions, CalibrationError, Settings, calibrate, fit_through_origin,
-    linear_layers, noise_direction, noise_levels, run_layers, spearman,
+    BlockEvaluator,
+    CalibrateOptions,
+    Settings,
+    calibrate,
+    fit_through_origin,
+    linear_layers,
+    noise_direction,
+    noise_levels,
+    run_layers,
+    spearman,
 )
 from qpalette.cli import app
+from qpalette.errors import CalibrationError
 from qpalette.models.sources import load_model
 
 WIKITEXT = shared_dir() / "data" / "wikitext2_raw_test.txt"

@@ -8,15 +8,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from helpers import fake_sensitivity, run_compress
+from safetensors import safe_open
 from tiny_llama import make_tiny_llama
 from typer.testing import CliRunner
 
 import qpalette
-from qpalette.runtime.checkpoint import CheckpointError, simulated_weights
 from qpalette.cli import app
-from qpalette.compress.writer import CompressError, CompressOptions, StopAfterShard, compress
+from qpalette.compress.writer import StopAfterShard
+from qpalette.errors import CheckpointError, CompressError
+from qpalette.runtime.checkpoint import simulated_weights
 
 runner = CliRunner()
 SCHEMES = ["nuq-4", "vq-2.5", "tcq-2.0", "half-tcq-2.25"]

@@ -15,9 +15,9 @@ from shared_data import shared_dir
 from typer.testing import CliRunner
 
 from qpalette.cli import app
+from qpalette.errors import InputError
 from qpalette.measure.evaluate import (
     FORMAT,
-    EvalError,
     kl_to_reference,
     load_eval_text,
     mean_kl,
@@ -93,22 +93,22 @@ def test_perplexity_equals_naive_per_window(tiny):
 def test_perplexity_rejects_short_text_and_bad_options(tiny):
     model, tok = tiny
     ids = tokenize(tok, "short")
-    with pytest.raises(EvalError, match="fewer than one window"):
+    with pytest.raises(InputError, match="fewer than one window"):
         perplexity(model, ids, ctx=64)
-    with pytest.raises(EvalError, match="--ctx"):
+    with pytest.raises(InputError, match="--ctx"):
         perplexity(model, ids, ctx=1)
-    with pytest.raises(EvalError, match="max_position_embeddings"):
+    with pytest.raises(InputError, match="max_position_embeddings"):
         perplexity(model, tokenize(tok, TEXT * 8), ctx=1024)
 
 
 def test_load_eval_text(text_file, monkeypatch):
     text, source = load_eval_text(text_file=text_file)
     assert text == TEXT * 3 and source == "file:text.txt"
-    with pytest.raises(EvalError, match="no such file"):
+    with pytest.raises(InputError, match="no such file"):
         load_eval_text(text_file=text_file.with_name("missing.txt"))
-    with pytest.raises(EvalError, match="not both"):
+    with pytest.raises(InputError, match="not both"):
         load_eval_text("wikitext2", text_file)
-    with pytest.raises(EvalError, match="unknown --dataset"):
+    with pytest.raises(InputError, match="unknown --dataset"):
         load_eval_text("c4-nonexistent")
 
     import datasets
@@ -128,7 +128,7 @@ def test_load_eval_text(text_file, monkeypatch):
         raise ConnectionError("Couldn't reach 'Salesforce/wikitext' on the Hub (LocalEntryNotFoundError)")
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
-    with pytest.raises(EvalError, match="--text-file"):
+    with pytest.raises(InputError, match="--text-file"):
         load_eval_text("wikitext2")
 
 

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from qpalette.plan.inputs import GROUPS
 from qpalette.measure.profile import group_shapes, load_model_config, run_profile
+from qpalette.models.topology import GROUPS
 
 LLAMA = Path(__file__).resolve().parents[2] / "profiles" / "reference" / "llama31_8b" / "config.json"
 

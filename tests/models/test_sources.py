@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from qpalette.models.sources import ModelError, gguf_state_dict, load_model, resolve_model
+from qpalette.errors import ModelError
+from qpalette.models.sources import gguf_state_dict, load_model, resolve_model
 
 
 def test_local_dir_is_used_as_is(tiny_llama_dir):

@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from qpalette.models.topology import linear_layers, load_config, unquantized_params
-from qpalette.plan.budget import BudgetError, parse_budgets
 from qpalette.cli import app
+from qpalette.errors import BudgetError, InputError
+from qpalette.models.topology import linear_layers, load_config, unquantized_params
+from qpalette.plan.budget import parse_budgets
+from qpalette.plan.inputs import load_latency
 from qpalette.plan.planner import plan
-from qpalette.plan.inputs import InputError, load_latency
 
 REF = Path(__file__).resolve().parents[2] / "profiles" / "reference"
 MODEL = str(REF / "llama31_8b")

@@ -7,22 +7,22 @@ import random
 
 import pytest
 
-from qpalette.models.topology import linear_layers, sign_vector_bytes, unquantized_params
+from qpalette.errors import InfeasibleBudget
+from qpalette.models.topology import (
+    FUSED_GROUPS,
+    GROUPS,
+    SINGLE_GROUPS,
+    linear_layers,
+    sign_vector_bytes,
+    unquantized_params,
+)
 from qpalette.plan.budget import Budget, parse_budgets
+from qpalette.plan.document import make_plan
+from qpalette.plan.inputs import LatencyProfile
+from qpalette.plan.program import build_problem, exhaustive, gap_decomposition, ideal_allocation, solve, usage
 from qpalette.quant.codebooks import codebook
 from qpalette.quant.distortion import shipped_table
 from qpalette.quant.palette import get_quantizer
-from qpalette.plan.inputs import FUSED_GROUPS, GROUPS, SINGLE_GROUPS, LatencyProfile
-from qpalette.plan.document import make_plan
-from qpalette.plan.program import (
-    InfeasibleBudget,
-    build_problem,
-    exhaustive,
-    gap_decomposition,
-    ideal_allocation,
-    solve,
-    usage,
-)
 
 TINY = {
     "model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,

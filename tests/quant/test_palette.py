@@ -4,9 +4,10 @@ import pytest
 import torch
 from shared_data import shared_dir
 
+from qpalette.errors import UnknownQuantizer, UnsupportedShape
 from qpalette.quant.distortion import measure, shipped_table
-from qpalette.quant.palette import PALETTE, UnknownQuantizer, get_quantizer, palette_entries
-from qpalette.quant.tiles import UnsupportedShape, from_tiles, to_tiles
+from qpalette.quant.palette import PALETTE, get_quantizer, palette_entries
+from qpalette.quant.tiles import from_tiles, to_tiles
 
 REFERENCE = shared_dir() / "reference" / "distortion_gaussian.json"
 REF_FAMILY = {"vq2": "vq"}

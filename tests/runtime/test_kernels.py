@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qpalette.runtime import kernel_build as kernels
-from qpalette.runtime import ops
 from qpalette.quant.hadamard import decompose
 from qpalette.quant.incoherence import pack_signs, random_signs, rotate_input, unpack_signs
 from qpalette.quant.palette import PALETTE, get_quantizer
+from qpalette.runtime import kernel_build as kernels
+from qpalette.runtime import ops
 
 pytestmark = pytest.mark.gpu
 

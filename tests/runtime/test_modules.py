@@ -4,9 +4,9 @@ import pytest
 import torch
 from torch import nn
 
-from qpalette.runtime import modules as qlinear
 from qpalette.compress.writer import quantize_matrix
 from qpalette.quant.incoherence import random_signs, unpack_signs, unrotate_weight
+from qpalette.runtime import modules as qlinear
 from qpalette.runtime.modules import FusedSlice, InputRotation, QuantizedLinear, install_cache_reset
 
 ENTRIES = ["nuq-3", "vq-2.5", "tcq-2.0", "half-tcq-3.25"]

@@ -1,7 +1,8 @@
 """The quantizer palette (docs/method.md §2)."""
 
+from qpalette.errors import UnknownQuantizer
 from qpalette.quant.palette.base import QuantizedMatrix, Quantizer
-from qpalette.quant.palette.registry import FAMILIES, PALETTE, UnknownQuantizer, get_quantizer, palette_entries
+from qpalette.quant.palette.registry import FAMILIES, PALETTE, get_quantizer, palette_entries
 
 __all__ = [
     "FAMILIES",

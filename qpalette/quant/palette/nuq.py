@@ -6,8 +6,8 @@ import torch
 
 from qpalette.quant.bitpack import pack_codes, unpack_codes
 from qpalette.quant.codebooks import codebook
-from qpalette.quant.tiles import from_tiles, to_tiles
 from qpalette.quant.palette.base import Quantizer
+from qpalette.quant.tiles import from_tiles, to_tiles
 
 
 class NUQ(Quantizer):

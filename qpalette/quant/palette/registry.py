@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import re
 
+from qpalette.errors import UnknownQuantizer
 from qpalette.quant.palette.base import Quantizer, format_bits
 from qpalette.quant.palette.nuq import NUQ
 from qpalette.quant.palette.tcq import TCQ, HalfTCQ
 from qpalette.quant.palette.vq import VQ
-
-
-class UnknownQuantizer(KeyError):
-    def __str__(self) -> str:
-        return str(self.args[0])
 
 
 def _halves(lo: float, hi: float) -> list[float]:

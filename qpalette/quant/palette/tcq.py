@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import torch
 
+from qpalette.errors import UnsupportedShape
 from qpalette.quant.bitpack import pack_bits
 from qpalette.quant.codebooks import codebook
-from qpalette.quant.tiles import TILE, UnsupportedShape, from_tiles, to_tiles
-from qpalette.quant.trellis import lut_bits, paths_to_stream, quantize_tiles, state_values, words_to_states
 from qpalette.quant.palette.base import Quantizer
+from qpalette.quant.tiles import TILE, from_tiles, to_tiles
+from qpalette.quant.trellis import lut_bits, paths_to_stream, quantize_tiles, state_values, words_to_states
 
 ROW_RMS_FRACTION = 0.9  # rows scaled to 0.9 × RMS(LUT) (docs/method.md §2)
 
