@@ -207,20 +207,6 @@ def quantize_matrix(w: torch.Tensor, quantizer: str, signs: torch.Tensor, device
     return {k: v.cpu() for k, v in qm.tensors.items()}
 
 
-def random_matrix_codes(w: torch.Tensor, quantizer: str, seed: int) -> dict[str, torch.Tensor]:
-    """Uniformly random code words (any words are a valid stream) and the row scales of w:
-    the stored tensors of a random-weight model for speed measurements, in seconds not hours."""
-    q = get_quantizer(quantizer)
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, (shape, dtype) in q.tensor_specs(*w.shape).items():
-        if name == "row_scale":
-            out[name] = (w.float().pow(2).mean(1).sqrt() / q.row_target()).to(torch.float16)
-        else:
-            out[name] = torch.randint(-(2**31), 2**31, shape, generator=g, dtype=torch.int64).to(dtype)
-    return out
-
-
 def quantize_block(src: SourceCheckpoint, block: int, layers: list[LayerShape], layout: Layout,
                    device, half: torch.dtype, on_layer: Callable[[str], None] = lambda n: None,
                    random_codes: bool = False) -> dict[str, torch.Tensor]:
@@ -243,7 +229,10 @@ def quantize_block(src: SourceCheckpoint, block: int, layers: list[LayerShape], 
         w = torch.cat([src.get(f"{m}.weight").float() for m in members])
         target = gname or l.name
         if random_codes:
-            tensors = random_matrix_codes(w, layout.layers[l.name], block * 16 + len(done))
+            q = get_quantizer(layout.layers[l.name])
+            rms = w.float().pow(2).mean(1).sqrt() / q.row_target()
+            gen = torch.Generator().manual_seed(block * 16 + len(done))
+            tensors = q.random_tensors(*w.shape, gen, row_scale=rms)
         else:
             tensors = quantize_matrix(w, layout.layers[l.name], signs[l.input_group], device)
         for k, v in tensors.items():

@@ -20,18 +20,6 @@ L2_FLUSH_BYTES = 256 << 20  # bytes of distinct weights a graph cycles through (
 MAX_COPIES = 256
 
 
-def random_layer(name: str, rows: int, cols: int, device="cuda", gen: torch.Generator | None = None):
-    """Stored tensors of a rows×cols layer with random codes (any words are a valid stream)."""
-    q = get_quantizer(name)
-    out = {}
-    for key, (shape, dtype) in q.tensor_specs(rows, cols).items():
-        if dtype == torch.int32:
-            out[key] = torch.randint(-(2**31), 2**31 - 1, shape, dtype=torch.int32, device=device, generator=gen)
-        else:
-            out[key] = (0.5 + torch.rand(shape, device=device, generator=gen)).to(dtype)
-    return out
-
-
 def stored_bytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
@@ -70,9 +58,9 @@ def time_graph(calls, repeats: int = 15) -> float:
 def time_quantized(name: str, rows: int, cols: int, batches, dtype=torch.float16,
                    gen: torch.Generator | None = None) -> tuple[dict[int, float], int]:
     """{batch: seconds} of ops.quantized_matmul on a rows×cols layer, and its stored bytes."""
-    first = random_layer(name, rows, cols, gen=gen)
+    first = get_quantizer(name).random_tensors(rows, cols, gen, 'cuda')
     nbytes = stored_bytes(first)
-    layers = [first] + [random_layer(name, rows, cols, gen=gen) for _ in range(copies_for(nbytes) - 1)]
+    layers = [first] + [get_quantizer(name).random_tensors(rows, cols, gen, 'cuda') for _ in range(copies_for(nbytes) - 1)]
     out = {}
     for m in batches:
         x = torch.randn(m, cols, device="cuda", dtype=dtype)

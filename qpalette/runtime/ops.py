@@ -1,12 +1,16 @@
 """The two operations a quantized layer runs: the online rotation and the quantized matmul.
 
-Both take the stored tensors as they are on disk. With CUDA tensors, fp16/bf16 activations and
-kernels that build (`qpalette.kernels`), they run the CUDA kernels of kernels/ through the
-torch.library custom ops `qpalette::rotate` and `qpalette::quantized_matmul` (fake
-implementations registered, so torch.compile and CUDA-graph capture see them as ordinary ops):
-a fused dequantize + tensor-core matmul for up to 8 activation rows (all leading dimensions
-flattened), the dequantize kernel + cuBLAS above that. Otherwise they run the pure-PyTorch
-reference: decode to float32, multiply back the row scales, one matmul.
+Both are torch.library custom ops, `qpalette::rotate` and `qpalette::quantized_matmul`, taking the
+stored tensors as they are on disk, with fake implementations so that torch.compile and CUDA-graph
+capture see ordinary ops. Each has two implementations registered:
+
+- CPU (and any device without kernels): the pure-PyTorch reference — decode to float32, multiply
+  back the row scales, one matmul; H(s ⊙ x) with the fast transform of quant.hadamard;
+- CUDA: the kernels of runtime/cuda (fused dequantize + tensor-core matmul for up to 8 activation
+  rows with all leading dimensions flattened, dequantize + cuBLAS above that; the online
+  Hadamard kernel). Where they cannot run (float32 activations, kernels turned off or not built,
+  a size the Hadamard kernel does not take) the CUDA implementation runs the reference and says
+  so once.
 
 Capturing a CUDA graph needs one eager call per (device, quantizer, dtype) first, as usual:
 that call builds the kernels, uploads the small tables and allocates the matmul workspace.
@@ -14,6 +18,8 @@ that call builds the kernels, uploads the small tables and allocates the matmul 
 
 from __future__ import annotations
 
+import functools
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -24,14 +30,11 @@ from qpalette.quant.codebooks import codebook
 from qpalette.quant.hadamard import decompose, hadamard_matrix
 from qpalette.quant.incoherence import rotate_input, unpack_signs
 from qpalette.quant.palette import QuantizedMatrix, get_quantizer
-from qpalette.runtime import kernel_build as kernels
+from qpalette.runtime import kernel_build
 
 FUSED_MAX_ROWS = 8          # activation rows the fused kernel takes (mma n = 8)
 HADAMARD_MAX_N = 32768      # row length the Hadamard kernel holds in shared memory (fp32)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
-
-# family codes of kernels/qpalette_kernels.h
-PAIR, SCALAR, TCQ, HALF_TCQ = 0, 1, 2, 3
 
 
 # ---- reference ----------------------------------------------------------------------------------
@@ -53,41 +56,50 @@ def quantized_matmul_reference(
     return (x_rot.float() @ w.T).to(x_rot.dtype)
 
 
-# ---- dispatch ------------------------------------------------------------------------------------
+# ---- the public calls ---------------------------------------------------------------------------
 
-@torch.compiler.assume_constant_result
-def _kernels_ok() -> bool:
-    return kernels.available()
-
-
-def _use_kernels(*ts: torch.Tensor) -> bool:
-    return (
-        all(t.is_cuda for t in ts)
-        and ts[0].dtype in KERNEL_DTYPES
-        and _kernels_ok()
-    )
+def code_tensors(quantizer: str, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(codes, second half's codes or None) as the op takes them."""
+    if get_quantizer(quantizer).family == "half-tcq":
+        return tensors["codes_a"], tensors["codes_b"]
+    return tensors["codes"], None
 
 
 def rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """H(s ⊙ x) over the last dimension; `signs` bit-packed uint8 (in/8,). Same dtype as x."""
-    n = x.shape[-1]
-    if _use_kernels(x, signs) and n <= HADAMARD_MAX_N and _hadamard_ok(n):
-        return torch.ops.qpalette.rotate(x, signs)
-    return rotate_reference(x, signs)
+    return torch.ops.qpalette.rotate(x, signs)
 
 
 def quantized_matmul(
     x_rot: torch.Tensor, quantizer: str, tensors: dict[str, torch.Tensor], shape: tuple[int, int]
 ) -> torch.Tensor:
     """y = x_rot · W_rᵀ for a rotated activation x_rot (..., in); returns (..., out) in x's dtype."""
-    if _use_kernels(x_rot, tensors["row_scale"]):
-        q = get_quantizer(quantizer)
-        if q.family == "half-tcq":
-            a, b = tensors["codes_a"], tensors["codes_b"]
-        else:
-            a, b = tensors["codes"], None
-        return torch.ops.qpalette.quantized_matmul(x_rot, a, b, tensors["row_scale"], q.name, shape[0])
-    return quantized_matmul_reference(x_rot, quantizer, tensors, shape)
+    codes, codes_b = code_tensors(quantizer, tensors)
+    return torch.ops.qpalette.quantized_matmul(x_rot, codes, codes_b, tensors["row_scale"],
+                                               get_quantizer(quantizer).name, shape[0])
+
+
+# ---- when the CUDA implementation can use the kernels -----------------------------------------
+
+@torch.compiler.assume_constant_result
+def _kernels_ok() -> bool:
+    return kernel_build.available()
+
+
+@functools.lru_cache(maxsize=None)
+def _say_reference(reason: str) -> None:
+    warnings.warn(f"qpalette: {reason}; running the PyTorch reference path (slow)", stacklevel=4)
+
+
+def _kernel_dtype(x: torch.Tensor) -> bool:
+    if x.dtype in KERNEL_DTYPES:
+        return True
+    _say_reference(f"{x.dtype} activations on CUDA have no kernels (load the model in float16 or bfloat16)")
+    return False
+
+
+def _use_kernels(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.dtype in KERNEL_DTYPES and _kernels_ok()
 
 
 def prepare(x: torch.Tensor, quantizer: str | None = None, out_features: int = 0) -> None:
@@ -101,7 +113,7 @@ def prepare(x: torch.Tensor, quantizer: str | None = None, out_features: int = 0
     if quantizer is not None:
         lut(quantizer, x.dtype, x.device)
         workspace(x.device, out_features)
-    elif _hadamard_ok(x.shape[-1]) and x.shape[-1] <= HADAMARD_MAX_N:
+    elif _hadamard_ok(x.shape[-1]):
         k, _ = decompose(x.shape[-1])
         if k > 1:
             _hadamard_factor(k, x.device)
@@ -110,16 +122,16 @@ def prepare(x: torch.Tensor, quantizer: str | None = None, out_features: int = 0
 def _hadamard_ok(n: int) -> bool:
     try:
         decompose(n)
-        return n % 8 == 0
     except UnsupportedShape:
         return False
+    return n % 8 == 0 and n <= HADAMARD_MAX_N
 
 
 # ---- what the kernels need besides the stored tensors ----------------------------------------------
 
 @dataclass(frozen=True)
 class KernelSpec:
-    family: int
+    family: str  # a key of the extension's FAMILY_CODES (runtime/cuda/bindings.cpp)
     p0: int
     p1: int
     book: str
@@ -131,14 +143,14 @@ def kernel_spec(quantizer: str) -> KernelSpec:
     if q.family == "nuq":
         b = int(q.bits)
         if b <= 5:
-            return KernelSpec(PAIR, 2 * b, 0, q.codebooks[0], "nuq-pairs")
-        return KernelSpec(SCALAR, b, 0, q.codebooks[0], "scalar")
+            return KernelSpec("pair", 2 * b, 0, q.codebooks[0], "nuq-pairs")
+        return KernelSpec("scalar", b, 0, q.codebooks[0], "scalar")
     if q.family == "vq":
-        return KernelSpec(PAIR, q.width, 0, q.codebooks[0], "pairs")
+        return KernelSpec("pair", q.width, 0, q.codebooks[0], "pairs")
     if q.family == "tcq":
-        return KernelSpec(TCQ, q.kv, q.table_q, q.codebooks[0], "pairs")
+        return KernelSpec("tcq", q.kv, q.table_q, q.codebooks[0], "pairs")
     if q.family == "half-tcq":
-        return KernelSpec(HALF_TCQ, q.halves[0].kv, q.halves[0].table_q, q.codebooks[0], "pairs")
+        return KernelSpec("half-tcq", q.halves[0].kv, q.halves[0].table_q, q.codebooks[0], "pairs")
     raise ValueError(f"no kernel for {quantizer}")
 
 
@@ -218,17 +230,24 @@ def _stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
-# ---- custom ops ------------------------------------------------------------------------------------
+# ---- custom ops: the reference for every device, the kernels for CUDA ----------------------------
 
 @torch.library.custom_op("qpalette::rotate", mutates_args=())
 def _rotate_op(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    return rotate_reference(x, signs)
+
+
+@_rotate_op.register_kernel("cuda")
+def _(x, signs):
     n = x.shape[-1]
+    if not (_kernel_dtype(x) and _kernels_ok() and _hadamard_ok(n)):
+        return rotate_reference(x, signs)
     k, p2 = decompose(n)
     x2 = x.reshape(-1, n).contiguous()
     dev = x.device
     hk = _hadamard_factor(k, dev) if k > 1 else None
     with torch.cuda.device(dev):
-        y = kernels.extension(dev).hadamard(
+        y = kernel_build.extension(dev).hadamard(
             x2, signs.contiguous(), hk, k, p2, _stream(dev), _num_sms(dev), None
         )
     return y.reshape(x.shape)
@@ -237,6 +256,12 @@ def _rotate_op(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
 @_rotate_op.register_fake
 def _(x, signs):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _qmm_reference(x, codes, codes_b, row_scale, quantizer, out_features):
+    tensors = {"row_scale": row_scale}
+    tensors.update({"codes_a": codes, "codes_b": codes_b} if codes_b is not None else {"codes": codes})
+    return quantized_matmul_reference(x, quantizer, tensors, (out_features, x.shape[-1]))
 
 
 @torch.library.custom_op("qpalette::quantized_matmul", mutates_args=())
@@ -248,53 +273,38 @@ def _qmm_op(
     quantizer: str,
     out_features: int,
 ) -> torch.Tensor:
+    return _qmm_reference(x, codes, codes_b, row_scale, quantizer, out_features)
+
+
+@_qmm_op.register_kernel("cuda")
+def _(x, codes, codes_b, row_scale, quantizer, out_features):
+    if not (_kernel_dtype(x) and _kernels_ok()):
+        return _qmm_reference(x, codes, codes_b, row_scale, quantizer, out_features)
     lead, n_in = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, n_in).contiguous()
-    m = x2.shape[0]
-    dev = x.device
-    spec = kernel_spec(quantizer)
-    table = lut(quantizer, x.dtype, dev)
-    ext = kernels.extension(dev)
-    codes = codes.contiguous()
-    codes_b = codes_b.contiguous() if codes_b is not None else None
-    if m == 0:
+    if x2.shape[0] == 0:
         return x.new_empty((*lead, out_features))
-    with torch.cuda.device(dev):
-        if m <= FUSED_MAX_ROWS:
-            ws, cnt = workspace(dev, out_features)
-            y = ext.qmm(x2, codes, codes_b, row_scale, table, ws, cnt, spec.family, spec.p0, spec.p1,
-                        out_features, _stream(dev), _num_sms(dev), None)
-        else:
-            w = ext.dequant(codes, codes_b, row_scale, table, spec.family, spec.p0, spec.p1,
-                            out_features, n_in, x.dtype, _stream(dev), _num_sms(dev), None)
-            y = x2 @ w.T
+    y = _qmm_kernels(x2, codes.contiguous(), codes_b.contiguous() if codes_b is not None else None,
+                     row_scale, quantizer, out_features)
     return y.reshape(*lead, out_features)
+
+
+def _qmm_kernels(x2, codes, codes_b, row_scale, quantizer, out_features):
+    dev = x2.device
+    spec = kernel_spec(quantizer)
+    table = lut(quantizer, x2.dtype, dev)
+    ext = kernel_build.extension(dev)
+    family = ext.FAMILY_CODES[spec.family]
+    with torch.cuda.device(dev):
+        if x2.shape[0] <= FUSED_MAX_ROWS:
+            ws, cnt = workspace(dev, out_features)
+            return ext.qmm(x2, codes, codes_b, row_scale, table, ws, cnt, family, spec.p0, spec.p1,
+                           out_features, _stream(dev), _num_sms(dev), None)
+        w = ext.dequant(codes, codes_b, row_scale, table, family, spec.p0, spec.p1,
+                        out_features, x2.shape[1], x2.dtype, _stream(dev), _num_sms(dev), None)
+        return x2 @ w.T
 
 
 @_qmm_op.register_fake
 def _(x, codes, codes_b, row_scale, quantizer, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
-
-
-def dequantize_cuda(quantizer: str, tensors: dict[str, torch.Tensor], shape: tuple[int, int],
-                    dtype: torch.dtype) -> torch.Tensor:
-    """W_r in `dtype` on the GPU with the dequantize kernel (what batch > 8 multiplies with)."""
-    q = get_quantizer(quantizer)
-    spec = kernel_spec(q.name)
-    a, b = (tensors["codes_a"], tensors["codes_b"]) if q.family == "half-tcq" else (tensors["codes"], None)
-    dev = a.device
-    with torch.cuda.device(dev):
-        return kernels.extension(dev).dequant(
-            a.contiguous(), b.contiguous() if b is not None else None, tensors["row_scale"],
-            lut(q.name, dtype, dev), spec.family, spec.p0, spec.p1, shape[0], shape[1], dtype,
-            _stream(dev), _num_sms(dev), None)
-
-
-__all__ = [
-    "dequantize",
-    "dequantize_cuda",
-    "quantized_matmul",
-    "quantized_matmul_reference",
-    "rotate",
-    "rotate_reference",
-]

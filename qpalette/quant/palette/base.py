@@ -70,6 +70,24 @@ class Quantizer(ABC):
             for shape, dtype in self.tensor_specs(rows, cols).values()
         )
 
+    def random_tensors(self, rows: int, cols: int, generator: torch.Generator | None = None,
+                       device: str | torch.device = "cpu",
+                       row_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Stored tensors with uniformly random code words (every word sequence is a valid stream
+        of every entry) and `row_scale` (default U(0.5, 1.5)): random-weight models for speed
+        runs and kernel tests, in seconds instead of a quantizer's minutes. `generator` must live
+        on `device`."""
+        out = {}
+        for name, (shape, dtype) in self.tensor_specs(rows, cols).items():
+            if name == "row_scale":
+                out[name] = (row_scale.to(device, dtype) if row_scale is not None else
+                             (0.5 + torch.rand(shape, generator=generator, device=device)).to(dtype))
+            else:
+                words = torch.randint(-(2**31), 2**31, shape, generator=generator, device=device,
+                                      dtype=torch.int64)
+                out[name] = words.to(dtype)
+        return out
+
     # -- numerics ----------------------------------------------------------------------------
     @abstractmethod
     def row_target(self) -> float:

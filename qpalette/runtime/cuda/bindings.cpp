@@ -139,6 +139,13 @@ at::Tensor hadamard(const at::Tensor& x, const at::Tensor& signs, const c10::opt
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // the family codes of qpalette_kernels.h, by the name Python uses: defined once, here
+  pybind11::dict families;
+  families["pair"] = static_cast<int>(qp::PAIR);
+  families["scalar"] = static_cast<int>(qp::SCALAR);
+  families["tcq"] = static_cast<int>(qp::TCQ);
+  families["half-tcq"] = static_cast<int>(qp::HALF_TCQ);
+  m.attr("FAMILY_CODES") = families;
   m.def("qmm", &qmm, "fused dequantize + matmul, batch ≤ 8");
   m.def("dequant", &dequant, "dequantize to a dense matrix");
   m.def("hadamard", &hadamard, "y = H(s ⊙ x) over rows");
