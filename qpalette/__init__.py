@@ -1,13 +1,39 @@
 """qpalette: mixed-scheme weight quantization (NUQ, VQ, TCQ, half-TCQ) for causal LMs.
 
+The library API (qpalette.api, re-exported here) is what the `qpalette` command line calls:
+`calibrate`, `plan`, `compress`, `from_pretrained`, `load_model`, `evaluate`, `bench`, `profile`,
+`palette`.
+
 Importing qpalette registers `quant_method: "qpalette"` with transformers, so that
-`AutoModelForCausalLM.from_pretrained(DIR)` loads checkpoints written by `qpalette compress`.
+`AutoModelForCausalLM.from_pretrained(DIR)` loads checkpoints written by `qpalette compress`. The
+registration runs when transformers is imported (at once if it already is), so importing a part
+of qpalette that does not need transformers (`qpalette.quant`, say) does not load it.
 """
 
-__version__ = "0.1.0"
+import wrapt
 
-from qpalette.runtime.hf_quantizer import from_pretrained, register  # noqa: E402
+from qpalette.api import (
+    bench,
+    calibrate,
+    compress,
+    evaluate,
+    from_pretrained,
+    load_model,
+    palette,
+    plan,
+    profile,
+)
+from qpalette.version import __version__
 
-register()
 
-__all__ = ["__version__", "from_pretrained", "register"]
+def register() -> None:
+    """Add qpalette to transformers' quantization registries (idempotent)."""
+    from qpalette.runtime.hf_quantizer import register as add_to_transformers
+
+    add_to_transformers()
+
+
+wrapt.register_post_import_hook(lambda _transformers: register(), "transformers")
+
+__all__ = ["__version__", "bench", "calibrate", "compress", "evaluate", "from_pretrained", "load_model",
+           "palette", "plan", "profile", "register"]

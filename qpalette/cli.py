@@ -9,8 +9,32 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from typer.core import TyperGroup
+
+from qpalette import api
+from qpalette.errors import InputError, QpaletteError
+from qpalette.fileio import atomic_write_json
+
+
+class _Commands(TyperGroup):
+    """Where every command's user-facing errors become one line and exit code 2 (130 when
+    interrupted); anything else is a bug and keeps its traceback (exit code 1)."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except QpaletteError as e:
+            fail(str(e))
+        except KeyboardInterrupt:
+            fail("interrupted; rerun the same command with --resume where it has one, to continue", 130)
+        except BrokenPipeError:
+            sys.stderr.close()  # output piped into `head`: stop quietly
+        except OSError as e:
+            fail(f"{e.filename or ''}: {e.strerror or e}")
+
 
 app = typer.Typer(
+    cls=_Commands,
     help="Mixed-scheme weight quantization for Hugging Face causal LMs: calibrate, plan, "
     "compress, run.",
     no_args_is_help=True,
@@ -46,33 +70,9 @@ def palette(
     write: Optional[Path] = typer.Option(None, help="Write the measured table to this JSON file."),
 ) -> None:
     """List the quantizer palette with its distortion on Gaussian data vs the 2^(-2b) bound."""
-    from qpalette.quant.codebooks import CodebookError
-    from qpalette.quant.distortion import measure_all, shipped_table, write_table
-    from qpalette.quant.palette import FAMILIES, palette_entries
-    from qpalette.quant.tiles import UnsupportedShape
-
-    fams = tuple(f.lower() for f in family) if family else None
-    if fams and set(fams) - set(FAMILIES):
-        fail(f"unknown family {sorted(set(fams) - set(FAMILIES))}; choose from {', '.join(FAMILIES)}")
-    entries = palette_entries(fams)
-    try:
-        if measure:
-            if device.startswith("cuda"):
-                import torch
-
-                if not torch.cuda.is_available():
-                    fail("--device cuda asked for, but no CUDA GPU is visible")
-            progress = None if as_json else (
-                lambda r: typer.echo(f"  measured {r.name:>14}  nmse {r.nmse:.5f}", err=True)
-            )
-            rows_out, how = measure_all(entries, rows, cols, seed, device, progress)
-            if write:
-                write_table(rows_out, write, how)
-        else:
-            table = shipped_table()
-            rows_out = [table[q.name] for q in entries if q.name in table]
-    except (CodebookError, UnsupportedShape, FileNotFoundError) as e:
-        fail(str(e))
+    rows_out = api.palette(tuple(f.lower() for f in family) if family else None, measure=measure, rows=rows,
+                           cols=cols, device=device, seed=seed, write=write,
+                           log=(lambda m: None) if as_json else (lambda m: typer.echo(m, err=True)))
     if as_json:
         json.dump([asdict(r) for r in rows_out], sys.stdout, indent=1)
         typer.echo()
@@ -108,22 +108,12 @@ def calibrate(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Per-layer sensitivity a_l (linearity theorem, docs/method.md §4): noise injection + KL fit."""
-    from qpalette.calibrate.sensitivity import CalibrateOptions, CalibrationError, parse_devices
-    from qpalette.calibrate.sensitivity import calibrate as run
-    from qpalette.models.sources import ModelError
-
-    try:
-        opts = CalibrateOptions(
-            model=model, output=output, num_seqs=num_seqs, seq_len=seq_len, levels=levels,
-            t_max=t_max, seed=seed, devices=parse_devices(device), batch_size=batch_size,
-            dtype=dtype, dataset=dataset, text_file=str(text_file) if text_file else None,
-            layers=layers, resume=resume, progress=not quiet, directions=directions,
-        )
-        doc = run(opts, log=lambda m: typer.echo(m, err=True))
-    except (CalibrationError, ModelError) as e:
-        fail(str(e))
-    except KeyboardInterrupt:
-        fail(f"interrupted; rerun with --resume to continue from {output}.partial.json", 130)
+    doc = api.calibrate(
+        model, output, devices=device, num_seqs=num_seqs, seq_len=seq_len, levels=levels, t_max=t_max,
+        seed=seed, batch_size=batch_size, dtype=dtype, dataset=dataset,
+        text_file=str(text_file) if text_file else None, layers=layers, resume=resume, progress=not quiet,
+        directions=directions, log=lambda m: typer.echo(m, err=True),
+    )
     t = doc["timing"]
     typer.echo(
         f"{doc['n_layers']} layers, {doc['tokens']} tokens ({doc['protocol']}), median R² "
@@ -170,38 +160,19 @@ def plan(
 
       qpalette plan --show plan.json
     """
-    from qpalette.plan.document import block_table, layer_table, load_plan, plot_plan, summary, write_plan
-    from qpalette.plan.planner import USER_ERRORS
-    from qpalette.plan.planner import plan as make
-
-    try:
-        if show is not None:
-            p = load_plan(show)
-            typer.echo(summary(p))
-            typer.echo(block_table(p) if blocks_only else layer_table(p))
-            return
-        if not budget:
-            fail("give --budget (e.g. 3.25bits, 2.4GB, 200tok/s), or --show PLAN.json")
-        p = make(
-            model, budget, sensitivity=str(sensitivity) if sensitivity else None,
-            latency_profile=str(latency_profile) if latency_profile else None,
-            distortion=str(distortion) if distortion else None, palette=palette_,
-            fuse=not no_fuse, batch_size=batch_size, time_limit_s=time_limit,
-        )
-        write_plan(p, output)
-        typer.echo(summary(p))
-        typer.echo(block_table(p))
-        typer.echo(f"wrote {output}")
-        if not no_plot:
-            png = plot or output.with_suffix(".png")
-            plot_plan(p, png)
-            typer.echo(f"wrote {png}")
-    except USER_ERRORS as e:
-        fail(str(e))
-    except BrokenPipeError:
-        sys.stderr.close()  # output piped into `head`: stop quietly
-    except OSError as e:
-        fail(f"{e.filename or ''}: {e.strerror or e}")
+    if show is not None:
+        typer.echo(api.describe_plan(api.load_plan(show), blocks_only=blocks_only))
+        return
+    if not budget:
+        fail("give --budget (e.g. 3.25bits, 2.4GB, 200tok/s), or --show PLAN.json")
+    png = None if no_plot else (plot or output.with_suffix(".png"))
+    p = api.plan(
+        model, budget, sensitivity=sensitivity, output=output, plot=png,
+        latency_profile=latency_profile, distortion=distortion, palette=palette_,
+        fuse=not no_fuse, batch_size=batch_size, time_limit_s=time_limit,
+    )
+    typer.echo(api.describe_plan(p, layers=False))
+    typer.echo(f"wrote {output}" + (f" and {png}" if png else ""))
 
 
 @app.command()
@@ -231,19 +202,11 @@ def compress(
 ) -> None:
     """Rotate and quantize a model block by block into a checkpoint transformers loads
     (after `import qpalette`)."""
-    from qpalette.compress.writer import CompressError, CompressOptions
-    from qpalette.compress.writer import compress as run
-    from qpalette.runtime.checkpoint import CheckpointError
-
-    opts = CompressOptions(model=model, output=output, plan=plan_file, scheme=scheme, fuse=fuse,
-                           device=device, resume=resume, overwrite=overwrite, sign_seed=seed,
-                           quiet=quiet, random_codes=random_codes)
-    try:
-        rep = run(opts, log=lambda m: typer.echo(m, err=True))
-    except (CompressError, CheckpointError) as e:
-        fail(str(e))
-    except KeyboardInterrupt:
-        fail(f"interrupted; rerun the same command with --resume to continue ({output}.partial)", 130)
+    if (plan_file is None) == (scheme is None):
+        fail("give exactly one of --plan PLAN.json or --scheme ENTRY (e.g. tcq-3.0)")
+    rep = api.compress(model, plan_file or scheme, output, fuse=fuse, device=device, resume=resume,
+                       overwrite=overwrite, sign_seed=seed, quiet=quiet, random_codes=random_codes,
+                       log=lambda m: typer.echo(m, err=True))
     by = rep["bytes"]
     typer.echo(
         f"wrote {output}: {by['total'] / 1e6:.2f} MB of tensors, {rep['avg_bits']:.3f} bits on "
@@ -295,23 +258,12 @@ def eval_(
 
       qpalette eval compressed_dir --text-file wiki.test.raw --kl-to smollm2-135m --json eval.json
     """
-    from qpalette.measure.evaluate import EvalOptions, InputError, evaluate
-    from qpalette.models.sources import ModelError
-
-    try:
-        opts = EvalOptions(
-            model=model, dataset=dataset, text_file=str(text_file) if text_file else None, ctx=ctx,
-            max_windows=max_windows, batch_size=batch_size, kl_to=kl_to, kl_seqs=kl_seqs, kl_len=kl_len,
-            seed=seed, device=device, dtype=dtype, json_out=str(json_out) if json_out else None,
-            progress=not quiet,
-        )
-        evaluate(opts, log=typer.echo)
-    except (InputError, ModelError) as e:
-        fail(str(e))
-    except KeyboardInterrupt:
-        fail("interrupted", 130)
-    except OSError as e:
-        fail(f"{e.filename or ''}: {e.strerror or e}")
+    api.evaluate(
+        model, dataset=dataset, text_file=str(text_file) if text_file else None, ctx=ctx,
+        max_windows=max_windows, batch_size=batch_size, kl_to=kl_to, kl_seqs=kl_seqs, kl_len=kl_len,
+        seed=seed, device=device, dtype=dtype, json_out=str(json_out) if json_out else None,
+        progress=not quiet, log=typer.echo,
+    )
     if json_out:
         typer.echo(f"wrote {json_out}")
 
@@ -330,20 +282,8 @@ def bench(
 ) -> None:
     """Decode tokens/s with a static KV cache and CUDA graphs: the same harness for FP16 and
     compressed models."""
-    from qpalette.fileio import atomic_write_json
-    from qpalette.measure.bench import BenchOptions, InputError
-    from qpalette.measure.bench import bench as run
-    from qpalette.runtime.checkpoint import CheckpointError
-
-    try:
-        sizes = tuple(int(x) for x in batch_sizes.split(",") if x.strip())
-    except ValueError:
-        fail(f"--batch-sizes {batch_sizes!r}: expected integers like 1,8")
-    try:
-        res = run(BenchOptions(model=model, batch_sizes=sizes, prompt_len=prompt_len, gen_len=gen_len,
-                               device=device, compile=compile), log=typer.echo)
-    except (InputError, CheckpointError) as e:
-        fail(str(e))
+    res = api.bench(model, batch_sizes=_int_list(batch_sizes, "--batch-sizes"), prompt_len=prompt_len,
+                    gen_len=gen_len, device=device, compile=compile, log=typer.echo)
     if json_out:
         atomic_write_json(json_out, res)
 
@@ -363,22 +303,20 @@ def profile(
 ) -> None:
     """Measure this GPU's kernel latency for every fusion group shape × palette entry × batch size
     the model needs (plus the constant per-token overhead) into profiles `qpalette plan` reads."""
-    from qpalette.measure.profile import run_profile
-    from qpalette.quant.palette import UnknownQuantizer, get_quantizer
-
-    try:
-        sizes = [int(x) for x in batch_sizes.split(",") if x.strip()]
-        entries = [get_quantizer(e).name for e in palette.split(",")] if palette else None
-    except (ValueError, UnknownQuantizer) as e:
-        fail(f"bad option: {e}")
     if dtype not in ("float16", "bfloat16"):
         fail("--dtype must be float16 or bfloat16")
-    try:
-        paths = run_profile(model, sizes, output, entries, dtype, constant, name, say=lambda m: typer.echo(m, err=True))
-    except (RuntimeError, FileNotFoundError, ValueError) as e:
-        fail(str(e))
+    entries = palette.split(",") if palette else None
+    paths = api.profile(model, _int_list(batch_sizes, "--batch-sizes"), output, entries=entries, dtype=dtype,
+                        constant=constant, name=name, log=lambda m: typer.echo(m, err=True))
     for p in paths:
         typer.echo(f"wrote {p}")
+
+
+def _int_list(text: str, option: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise InputError(f"{option} {text!r}: expected integers like 1,8") from None
 
 
 if __name__ == "__main__":

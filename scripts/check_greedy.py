@@ -32,11 +32,11 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
-    from qpalette.measure.bench import load_for_bench
+    from qpalette.runtime.loading import load_model
 
     tok = AutoTokenizer.from_pretrained(args.model)
-    cpu = load_for_bench(args.model, torch.device("cpu"))  # float32; qpalette's reference path
-    gpu = load_for_bench(args.model, torch.device("cuda"))  # float16; qpalette's kernels
+    cpu = load_model(args.model, "cpu", tokenizer=False)[0]  # float32; qpalette's reference path
+    gpu = load_model(args.model, "cuda", tokenizer=False)[0]  # float16; qpalette's kernels
     kw = dict(max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False)
     rows = []
     for prompt in PROMPTS:

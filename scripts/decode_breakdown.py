@@ -25,7 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from qpalette.measure.bench import DecodeLoop, decode_loop_step_time, load_for_bench  # noqa: E402
+from qpalette.measure.bench import DecodeLoop, decode_loop_step_time
+from qpalette.runtime.loading import load_model  # noqa: E402
 
 KINDS = (  # first match wins: (kind, substrings of the kernel name, lower case)
     ("qpalette matmul", ("qmm_kernel",)),
@@ -94,7 +95,7 @@ def main() -> None:
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("decode_breakdown needs a CUDA GPU")
-    model = load_for_bench(Path(a.model), torch.device("cuda"))
+    model = load_model(a.model, "cuda", tokenizer=False)[0]
     res = {"model": a.model, "batch": a.batch, "device": torch.cuda.get_device_name(), **breakdown(model, a.batch, a.steps)}
     res["graph_step_s"] = decode_loop_step_time(model, a.batch, 64, 32, True, 0)
     res["host_call_s"] = host_call_time(model, a.batch)

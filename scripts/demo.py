@@ -37,9 +37,9 @@ def generate(model_dir: Path, prompt: str, device: str, new_tokens: int) -> tupl
     """Greedy continuation of a chat prompt and decode tokens/s (after one warm-up token)."""
     from transformers import AutoTokenizer
 
-    from qpalette.measure.bench import load_for_bench
+    from qpalette.runtime.loading import load_model
 
-    model = load_for_bench(model_dir, torch.device(device))
+    model = load_model(model_dir, device, tokenizer=False)[0]
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                    add_generation_prompt=True)

@@ -61,7 +61,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import qpalette  # noqa: F401  (registers the checkpoint format)
-    from qpalette.compress.writer import CompressOptions, compress
+    from qpalette.compression.writer import CompressOptions, compress
     from qpalette.fileio import atomic_write_json
     from qpalette.measure.evaluate import load_eval_text, mean_kl, perplexity, sample_reference, tokenize
     from qpalette.models.sources import load_model, resolve_model

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from qpalette.compress.writer import CompressOptions, compress
+from qpalette.compression.writer import CompressOptions, compress
 
 
 def run_compress(src, out, **kw) -> dict:

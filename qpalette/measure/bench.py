@@ -19,13 +19,13 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
 
 from qpalette.devices import resolve_device
 from qpalette.errors import InputError
+from qpalette.runtime.loading import load_model
 
 
 @dataclass
@@ -50,19 +50,6 @@ class _StepClock:
             torch.cuda.synchronize(self.device)
         self.times.append(time.perf_counter())
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-
-def load_for_bench(path: Path, device: torch.device):
-    """FP16 on CUDA (float32 on CPU); qpalette checkpoints through qpalette.from_pretrained."""
-    from transformers import AutoModelForCausalLM
-
-    from qpalette.models.topology import load_config
-    from qpalette.runtime.hf_quantizer import from_pretrained
-
-    dtype = torch.float16 if device.type == "cuda" else torch.float32
-    if "quantization_config" in load_config(path):
-        return from_pretrained(path, device=device, dtype=dtype)
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
 
 
 def random_prompt(model, batch: int, prompt_len: int, seed: int) -> torch.Tensor:
@@ -165,7 +152,7 @@ def bench(opts: BenchOptions, log: Callable[[str], None] = print) -> dict:
         path = resolve_model(opts.model, quiet=True)
     except ModelError as e:
         raise InputError(str(e)) from None
-    model = load_for_bench(path, device)
+    model, _ = load_model(path, device, tokenizer=False)
     if device.type == "cpu":
         log("note: on CPU there are no CUDA graphs and qpalette layers run the pure-PyTorch "
             "reference (dequantize every step): numbers say little about GPU speed")

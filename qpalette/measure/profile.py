@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from qpalette.errors import KernelError, UnsupportedShape
 from qpalette.fileio import atomic_write
 from qpalette.measure import timing as kernel_timing
 from qpalette.models import topology as architecture
@@ -74,7 +75,7 @@ def measure_groups(shapes: dict[str, tuple[int, int]], entries: list[str], batch
         for name in entries:
             try:
                 get_quantizer(name).check_shape(rows, cols)
-            except ValueError as e:
+            except UnsupportedShape as e:
                 say(f"  {name} skipped on {rows}x{cols}: {e}")
                 continue
             by_shape[shape][name], _ = kernel_timing.time_quantized(name, rows, cols, batch_sizes, dtype)
@@ -133,11 +134,11 @@ def run_profile(model: str, batch_sizes: list[int] | None = None, out_dir: str |
                 name: str | None = None, say=_say) -> list[Path]:
     """Measure and write one `qpalette.latency/1` file per batch size; returns their paths."""
     if not torch.cuda.is_available():
-        raise RuntimeError("qpalette profile measures CUDA kernels: no CUDA device is available")
+        raise KernelError("qpalette profile measures CUDA kernels: no CUDA device is available")
     from qpalette.runtime import kernel_build as kernels
 
     if not kernels.available():
-        raise RuntimeError("the qpalette CUDA kernels are not available on this machine (see warnings)")
+        raise KernelError("the qpalette CUDA kernels are not available on this machine (see warnings)")
     batch_sizes = batch_sizes or [1]
     entries = entries or list(PALETTE)
     tdtype = getattr(torch, dtype)
@@ -154,7 +155,7 @@ def run_profile(model: str, batch_sizes: list[int] | None = None, out_dir: str |
             try:
                 step, method = fp16_decode_step_time(cfg, m, tdtype)
             except Exception as e:
-                raise RuntimeError(f"measuring the FP16 decode step failed ({type(e).__name__}: {e}); "
+                raise KernelError(f"measuring the FP16 decode step failed ({type(e).__name__}: {e}); "
                                    "rerun with constant=False to keep only kernel timings") from e
             lin = fp16_linear_time(cfg, m, tdtype)
             rot = rotation_time(cfg, m, tdtype)

@@ -9,8 +9,6 @@ checks that the checkpoint's codebooks are the ones this qpalette decodes with.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
@@ -98,24 +96,3 @@ def register() -> None:
         register_quantization_config(QUANT_METHOD)(QpaletteConfig)
     if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
         register_quantizer(QUANT_METHOD)(QpaletteHfQuantizer)
-
-
-def from_pretrained(path: str | Path, device: str | torch.device | None = None,
-                    dtype: torch.dtype | None = None, **kwargs):
-    """Load a qpalette checkpoint: CUDA + fp16 when a GPU is present, else CPU + float32."""
-    from transformers import AutoModelForCausalLM
-
-    register()
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if dtype is None:
-        dtype = torch.float16 if device.type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **kwargs)
-    qc = getattr(model.config, "quantization_config", None)
-    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
-    if method != QUANT_METHOD:
-        raise CheckpointError(f"{path} is not a qpalette checkpoint (quant_method {method!r})")
-    model = model.to(device).eval()
-    if device.type == "cuda":  # allocate the kernels' tables and workspace before any compile
-        with torch.no_grad():
-            model(torch.zeros(1, 1, dtype=torch.long, device=device))
-    return model

@@ -37,9 +37,10 @@ def test_decode_loop_equals_generate(tiny_llama_dir):
     """The timed loop decodes what generate decodes: same logits at every step, same greedy tokens."""
     import torch
 
-    from qpalette.measure.bench import DecodeLoop, load_for_bench, random_prompt
+    from qpalette.measure.bench import DecodeLoop, random_prompt
+    from qpalette.runtime.loading import load_model
 
-    model = load_for_bench(tiny_llama_dir, torch.device("cpu"))
+    model, _ = load_model(tiny_llama_dir, "cpu", tokenizer=False)
     loop = DecodeLoop(model, batch=2, prompt_len=5, steps=6, seed=3)
     seen, forward = [], loop.forward
 

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from qpalette.errors import KernelError
 from qpalette.measure.profile import group_shapes, load_model_config, run_profile
 from qpalette.models.topology import GROUPS
 
@@ -21,7 +22,7 @@ def test_group_shapes_llama31_8b():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 def test_profile_needs_cuda(tmp_path):
-    with pytest.raises(RuntimeError, match="CUDA"):
+    with pytest.raises(KernelError, match="CUDA"):
         run_profile(str(LLAMA), [1], tmp_path)
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from qpalette.compress.writer import quantize_matrix
+from qpalette.compression.blocks import quantize_matrix
 from qpalette.quant.incoherence import random_signs, unpack_signs, unrotate_weight
 from qpalette.runtime import modules as qlinear
 from qpalette.runtime.modules import FusedSlice, InputRotation, QuantizedLinear, install_cache_reset

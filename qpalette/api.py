@@ -1,0 +1,168 @@
+"""The library API: one function per pipeline step. The `qpalette` command line is a thin layer
+over these; every user mistake raises a `qpalette.errors.QpaletteError` with a message.
+
+    import qpalette
+    sens = qpalette.calibrate("smollm2-135m", "sens.json")
+    plan = qpalette.plan("smollm2-135m", "3.25bits", sensitivity="sens.json", output="plan.json")
+    qpalette.compress("smollm2-135m", "plan.json", "smollm2-q")      # or a scheme: "tcq-3.0"
+    model = qpalette.from_pretrained("smollm2-q")
+
+Stages are imported when called, so `import qpalette` stays light.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    import torch
+
+Log = Callable[[str], None]
+
+
+def _quiet(_msg: str) -> None:
+    pass
+
+
+def palette(families: tuple[str, ...] | None = None, *, measure: bool = False, rows: int = 1024,
+            cols: int = 1024, device: str = "cpu", seed: int = 0, write: str | Path | None = None,
+            log: Log = _quiet) -> list:
+    """The palette's distortion rows (docs/method.md §3): the shipped table, or measured now on a
+    fresh rows×cols Gaussian matrix (`measure`, optionally written to `write`)."""
+    from qpalette.devices import resolve_device
+    from qpalette.errors import InputError
+    from qpalette.quant.distortion import measure_all, shipped_table, write_table
+    from qpalette.quant.palette import FAMILIES, palette_entries
+
+    unknown = set(families or ()) - set(FAMILIES)
+    if unknown:
+        raise InputError(f"unknown family {sorted(unknown)}; choose from {', '.join(FAMILIES)}")
+    entries = palette_entries(tuple(families) if families else None)
+    if not measure:
+        table = shipped_table()
+        return [table[q.name] for q in entries if q.name in table]
+    dev = str(resolve_device(device))
+    rows_out, how = measure_all(entries, rows, cols, seed, dev,
+                                lambda r: log(f"  measured {r.name:>14}  nmse {r.nmse:.5f}"))
+    if write:
+        write_table(rows_out, Path(write), how)
+    return rows_out
+
+
+def calibrate(model: str, output: str | Path = "sens.json", *, devices: str = "auto", log: Log = _quiet,
+              **options) -> dict:
+    """Per-layer sensitivities a_l (docs/method.md §4), written to `output` and returned.
+
+    `options` are the fields of `qpalette.calibration.CalibrateOptions` (num_seqs, seq_len, levels,
+    t_max, directions, seed, batch_size, dtype, dataset, text_file, layers, resume, progress)."""
+    from qpalette.calibration.sensitivity import CalibrateOptions, parse_devices
+    from qpalette.calibration.sensitivity import calibrate as run
+
+    opts = CalibrateOptions(model=model, output=Path(output), devices=parse_devices(devices), **options)
+    return run(opts, log=log)
+
+
+def plan(model: str | None, budget: str | list[str], *, sensitivity: str | Path, output: str | Path | None = None,
+         plot: str | Path | None = None, **options):
+    """The plan (docs/method.md §5) minimising predicted loss under `budget` ("3.25bits", "2.4GB",
+    "200tok/s"; a list or comma list combines them); written to `output` (and a bits-per-layer PNG to
+    `plot`) when given. `options`: latency_profile, distortion, palette, fuse, batch_size, time_limit_s."""
+    from qpalette.planning.document import plot_plan, write_plan
+    from qpalette.planning.planner import plan as make
+
+    budgets = [budget] if isinstance(budget, str) else list(budget)
+    for key in ("latency_profile", "distortion"):
+        if options.get(key) is not None:
+            options[key] = str(options[key])
+    result = make(model, budgets, sensitivity=str(sensitivity), **options)
+    if output is not None:
+        write_plan(result, output)
+    if plot is not None:
+        plot_plan(result, plot)
+    return result
+
+
+def load_plan(path: str | Path):
+    """A plan file written by `plan`."""
+    from qpalette.planning.document import load_plan as load
+
+    return load(path)
+
+
+def describe_plan(plan, blocks_only: bool = False, layers: bool = True) -> str:
+    """A plan as text: the summary, then one line per block (`blocks_only`) or per layer."""
+    from qpalette.planning.document import block_table, layer_table, summary
+
+    parts = [summary(plan)]
+    if blocks_only or not layers:
+        parts.append(block_table(plan))
+    else:
+        parts.append(layer_table(plan))
+    return "\n".join(parts)
+
+
+def compress(model: str, plan_or_scheme: str | Path, out_dir: str | Path, *, log: Log = _quiet,
+             **options) -> dict:
+    """Rotate and quantize `model` into a qpalette checkpoint in `out_dir`; returns the report.
+
+    `plan_or_scheme`: a plan file from `plan`, or one palette entry for every layer ("tcq-3.0").
+    `options` are the fields of `qpalette.compression.CompressOptions` (fuse, device, resume,
+    overwrite, sign_seed, quiet, random_codes)."""
+    from qpalette.compression.writer import CompressOptions
+    from qpalette.compression.writer import compress as run
+    from qpalette.errors import UnknownQuantizer
+    from qpalette.quant.palette import get_quantizer
+
+    try:
+        scheme, plan_file = get_quantizer(str(plan_or_scheme)).name, None
+    except UnknownQuantizer:
+        scheme, plan_file = None, Path(plan_or_scheme)
+    opts = CompressOptions(model=model, output=Path(out_dir), plan=plan_file, scheme=scheme, **options)
+    return run(opts, log=log)
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+               *, tokenizer: bool = True):
+    """(model, tokenizer) of an original or compressed model directory, or anything
+    `qpalette.models.sources.resolve_model` accepts (a .gguf, the embedded 'smollm2-135m')."""
+    from qpalette.models.sources import resolve_model
+    from qpalette.runtime.loading import load_model as load
+
+    return load(resolve_model(path, quiet=True), device, dtype, tokenizer=tokenizer)
+
+
+def from_pretrained(path: str | Path, device: str | torch.device | None = None, dtype: torch.dtype | None = None):
+    """A qpalette checkpoint, ready to run: CUDA and float16 when a GPU is present, else CPU and float32."""
+    from qpalette.runtime.loading import from_pretrained as load
+
+    return load(path, device, dtype)
+
+
+def evaluate(model: str, *, log: Log = _quiet, **options) -> dict:
+    """Perplexity and/or data-free KL to a reference; `options` are the fields of
+    `qpalette.measure.evaluate.EvalOptions` (dataset, text_file, ctx, max_windows, kl_to, ...)."""
+    from qpalette.measure.evaluate import EvalOptions
+    from qpalette.measure.evaluate import evaluate as run
+
+    return run(EvalOptions(model=model, **options), log=log)
+
+
+def bench(model: str, *, log: Log = _quiet, **options) -> dict:
+    """Decode tokens/s (generate and the compiled forward loop); `options` are the fields of
+    `qpalette.measure.bench.BenchOptions` (batch_sizes, prompt_len, gen_len, device, compile)."""
+    from qpalette.measure.bench import BenchOptions
+    from qpalette.measure.bench import bench as run
+
+    return run(BenchOptions(model=model, **options), log=log)
+
+
+def profile(model: str, batch_sizes: list[int] | None = None, output: str | Path = ".", *,
+            entries: list[str] | None = None, dtype: str = "float16", constant: bool = True,
+            name: str | None = None, log: Log = _quiet) -> list[Path]:
+    """Measure this GPU's latency profile(s) for `plan` (one file per batch size); their paths."""
+    from qpalette.measure.profile import run_profile
+    from qpalette.quant.palette import get_quantizer
+
+    entries = [get_quantizer(e).name for e in entries] if entries else None
+    return run_profile(model, batch_sizes, output, entries, dtype, constant, name, say=log)

@@ -1,0 +1,1 @@
+"""Compress: a plan or scheme → a qpalette checkpoint, streamed block by block, resumable."""

@@ -1,0 +1,44 @@
+"""The model card (README.md) of a compressed checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from qpalette.runtime.checkpoint import Layout
+from qpalette.version import __version__
+
+
+def model_card(layout: Layout, source: str, report: dict) -> str:
+    counts: dict[str, int] = {}
+    for q in layout.layers.values():
+        counts[q] = counts.get(q, 0) + 1
+    mix = ", ".join(f"{q} ×{n}" for q, n in sorted(counts.items()))
+    by = report["bytes"]
+    return f"""---
+library_name: transformers
+tags: [qpalette, quantized]
+---
+# {Path(source).name} — qpalette compressed
+
+**This checkpoint needs `import qpalette` before loading.** Without it, transformers does not
+know `quant_method: "qpalette"`, skips the quantization with a warning and fills every linear
+layer with random weights: the model loads but produces garbage.
+
+```python
+import qpalette  # registers the qpalette quantizer with transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from qpalette.errors import CompressError, ModelError, UnknownQuantizer, UnsupportedShape
+
+model = AutoModelForCausalLM.from_pretrained("path/to/this/folder")
+# or: model = qpalette.from_pretrained("path/to/this/folder")  (picks device and dtype)
+tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")
+```
+
+- Source: `{source}`
+- Quantized linear layers: {len(layout.layers)} ({mix}); fused groups: {len(layout.groups)}
+- Average bits (quantized layers, nominal): {report['avg_bits']:.3f}
+- Tensor bytes: {by['total']:,} (codes + row scales {by['codes_and_row_scales']:,}, sign vectors
+  {by['sign_vectors']:,}, codebooks {by['codebooks']:,}, unquantized modules {by['unquantized_modules']:,})
+- Written by qpalette {__version__}; format `qpalette.checkpoint/1` (see qpalette's docs/format.md).
+{"- **Random code words (`--random-codes`): for speed measurements only, the outputs are noise.**" if report.get("random_codes") else ""}
+"""

@@ -1,0 +1,81 @@
+"""Plan or scheme → the checkpoint layout: each layer's palette entry, the fused groups, the sign seed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from qpalette.errors import CompressError, UnknownQuantizer, UnsupportedShape
+from qpalette.fileio import read_json_object
+from qpalette.models.topology import LayerShape, group_module
+from qpalette.quant.hadamard import decompose
+from qpalette.quant.palette import get_quantizer
+from qpalette.runtime.checkpoint import Layout
+
+PLAN_FORMAT = "qpalette.plan/1"
+
+
+def layout_from_scheme(scheme: str, layers: list[LayerShape], fuse: bool, seed: int) -> Layout:
+    q = get_quantizer(scheme).name
+    groups: dict[str, list[str]] = {}
+    if fuse:
+        by_parent: dict[tuple[int, str], list[LayerShape]] = {}
+        for l in layers:
+            if l.input_group in ("qkv", "gateup"):
+                by_parent.setdefault((l.block, l.input_group), []).append(l)
+        for members in by_parent.values():
+            names = [m.name for m in members]
+            gname = group_module(names[0], [m.kind for m in members])
+            groups[gname] = names
+    return Layout({l.name: q for l in layers}, groups, seed)
+
+
+def layout_from_plan(path: Path, layers: list[LayerShape], fuse: bool, seed: int) -> tuple[Layout, dict]:
+    plan = read_json_object(path, "plan", CompressError, PLAN_FORMAT, "written by `qpalette plan -o`")
+    planned = plan.get("layers")
+    if not isinstance(planned, dict):
+        raise CompressError(f"plan {path} has no 'layers' object")
+    known = {l.name: l for l in layers}
+    extra = sorted(set(planned) - set(known))
+    missing = sorted(set(known) - set(planned))
+    if extra or missing:
+        raise CompressError(
+            f"plan {path} does not match the model: "
+            + (f"layers not in the model: {extra[:3]}{'…' if len(extra) > 3 else ''}; " if extra else "")
+            + (f"model layers missing from the plan: {missing[:3]}{'…' if len(missing) > 3 else ''}" if missing else "")
+        )
+    chosen = {}
+    for name, entry in planned.items():
+        l = known[name]
+        if list(entry.get("shape", [])) != [l.out_features, l.in_features]:
+            raise CompressError(
+                f"plan {path}: {name} has shape {entry.get('shape')} but the model's is "
+                f"[{l.out_features}, {l.in_features}]; the plan was made for another model"
+            )
+        chosen[name] = entry.get("quantizer")
+    groups: dict[str, list[str]] = {}
+    if fuse:
+        for blk in plan.get("blocks", []):
+            for g in blk.get("groups", []):
+                names = list(g.get("layers", []))
+                if len(names) > 1:
+                    kinds = [known[n].kind for n in names]
+                    groups[group_module(names[0], kinds)] = names
+    try:
+        return Layout(chosen, groups, seed), plan
+    except (UnknownQuantizer, ValueError, KeyError) as e:
+        raise CompressError(f"plan {path}: {e}") from None
+
+
+def check_shapes(layout: Layout, layers: list[LayerShape]) -> None:
+    """Every layer's shape must fit its quantizer's packed format and the Hadamard sizes."""
+    problems = []
+    for l in layers:
+        try:
+            get_quantizer(layout.layers[l.name]).check_shape(l.out_features, l.in_features)
+            decompose(l.in_features)
+        except (UnsupportedShape, UnsupportedShape) as e:
+            problems.append(f"{l.name} ({layout.layers[l.name]}): {e}")
+    if problems:
+        raise CompressError("unsupported layer shapes:\n  " + "\n  ".join(problems[:10]))
+
+

@@ -1,0 +1,65 @@
+"""The model being compressed, read tensor by tensor from its safetensors files (never all at once)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from qpalette.errors import CompressError
+from qpalette.fileio import read_json_object
+
+
+class SourceCheckpoint:
+    """Tensor name → safetensors file of a Hugging Face model folder (single or sharded)."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            data = read_json_object(index, "safetensors index", CompressError)
+            self.files = {k: folder / v for k, v in data.get("weight_map", {}).items()}
+        else:
+            files = sorted(folder.glob("*.safetensors"))
+            if not files:
+                if any(folder.glob("*.bin")):
+                    raise CompressError(
+                        f"{folder} holds only PyTorch .bin (pickle) weights; qpalette reads "
+                        "safetensors only: convert with `model.save_pretrained(dir)` first"
+                    )
+                raise CompressError(f"{folder} has no .safetensors weights")
+            self.files = {}
+            for f in files:
+                for k in self._open(f).keys():
+                    self.files[k] = f
+        self._handles: dict[Path, object] = {}
+
+    def _open(self, f: Path):
+        try:
+            return safe_open(str(f), framework="pt")
+        except (SafetensorError, OSError) as e:
+            raise CompressError(f"cannot read {f}: {e}") from None
+
+    def get(self, name: str) -> torch.Tensor:
+        f = self.files[name]
+        if f not in self._handles:
+            self._handles[f] = self._open(f)
+        try:
+            return self._handles[f].get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise CompressError(f"cannot read tensor {name} from {f}: {e}") from None
+
+    def fingerprint(self) -> str:
+        h = hashlib.sha256()
+        for f in sorted(set(self.files.values())):
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{int(st.st_mtime)}".encode())
+        return h.hexdigest()[:16]
+
+
+def half_dtype(cfg: dict) -> torch.dtype:
+    """16-bit dtype of everything left unquantized: the source's bf16, else fp16."""
+    name = str(cfg.get("dtype") or cfg.get("torch_dtype") or "")
+    return torch.bfloat16 if "bfloat16" in name else torch.float16

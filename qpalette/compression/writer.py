@@ -1,0 +1,248 @@
+"""`qpalette compress`: stream a checkpoint block by block into a qpalette checkpoint.
+
+Per decoder block: read its tensors from the source safetensors, rotate each input group's
+layers with one seeded sign vector, quantize every layer (a fused group as one row-concatenated
+matrix), write the block's shard. Everything goes into `OUT.partial/`, each file written
+atomically, with a progress manifest after every shard; the folder is renamed to OUT only when
+config.json, the index, tokenizer and model card are all written. So a killed run leaves no
+folder that looks complete, and `--resume` picks up at the first missing shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import resource
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import save as safetensors_bytes
+
+from qpalette.compression.blocks import byte_breakdown, other_tensors, quantize_block
+from qpalette.compression.card import model_card
+from qpalette.compression.layout import check_shapes, layout_from_plan, layout_from_scheme
+from qpalette.compression.source import SourceCheckpoint, half_dtype
+from qpalette.devices import resolve_device
+from qpalette.errors import CompressError, ModelError, UnknownQuantizer
+from qpalette.fileio import atomic_write, atomic_write_json, read_json_object
+from qpalette.models.topology import LayerShape, check_config, linear_layers, load_config
+from qpalette.quant.palette import get_quantizer
+from qpalette.runtime.checkpoint import Layout
+from qpalette.version import __version__
+
+PROGRESS_FORMAT = "qpalette.compress-progress/1"
+PROGRESS_FILE = "qpalette-progress.json"
+REPORT_FILE = "qpalette-compress.json"
+_WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
+_NOT_COPIED = {"config.json", "model.safetensors.index.json", "README.md", PROGRESS_FILE}
+_CATEGORIES = ("codes_and_row_scales", "sign_vectors", "codebooks", "unquantized_modules", "total")
+
+
+@dataclass
+class CompressOptions:
+    model: str
+    output: Path
+    plan: Path | None = None
+    scheme: str | None = None
+    fuse: bool = True
+    device: str = "auto"
+    resume: bool = False
+    overwrite: bool = False
+    sign_seed: int = 0
+    quiet: bool = False
+    random_codes: bool = False  # speed benchmarks of random-weight models: skip the quantizer
+
+
+@dataclass
+class Job:
+    """Everything a run needs, checked before any work starts."""
+
+    opts: CompressOptions
+    src_dir: Path
+    cfg: dict
+    layers: list[LayerShape]
+    layout: Layout
+    plan: dict | None
+    device: torch.device
+    src: SourceCheckpoint
+    out: Path
+    started: float = field(default_factory=time.time)
+
+    @property
+    def partial(self) -> Path:
+        return self.out.with_name(self.out.name + ".partial")
+
+    @property
+    def n_shards(self) -> int:
+        return self.cfg["num_hidden_layers"] + 1
+
+    def fingerprint(self) -> str:
+        """What a resumed run must share with the run it continues."""
+        return hashlib.sha256(json.dumps(
+            {"layout": self.layout.to_config(), "source": self.src.fingerprint(), "device": self.device.type,
+             "version": __version__, "random_codes": self.opts.random_codes}, sort_keys=True).encode()
+        ).hexdigest()[:16]
+
+
+def prepare_job(opts: CompressOptions) -> Job:
+    """Resolve the model, the layout and the device; refuse what cannot work before any work."""
+    from qpalette.models.sources import resolve_model
+
+    if (opts.plan is None) == (opts.scheme is None):
+        raise CompressError("give exactly one of --plan PLAN.json or --scheme ENTRY (e.g. tcq-3.0)")
+    try:
+        src_dir = resolve_model(opts.model, quiet=opts.quiet)
+        cfg = load_config(src_dir)
+        check_config(cfg)
+        layers = linear_layers(cfg)
+    except ModelError as e:
+        raise CompressError(str(e)) from None
+    try:
+        if opts.scheme:
+            layout, plan = layout_from_scheme(opts.scheme, layers, opts.fuse, opts.sign_seed), None
+        else:
+            layout, plan = layout_from_plan(opts.plan, layers, opts.fuse, opts.sign_seed)
+    except UnknownQuantizer as e:
+        raise CompressError(str(e)) from None
+    check_shapes(layout, layers)
+    device = resolve_device(opts.device)
+    src = SourceCheckpoint(src_dir)
+    missing = [f"{l.name}.weight" for l in layers if f"{l.name}.weight" not in src.files]
+    if missing:
+        raise CompressError(f"{src_dir}: weights missing from the checkpoint: {missing[:3]}")
+    out = Path(opts.output)
+    if out.exists() and any(out.iterdir()) and not opts.overwrite:
+        raise CompressError(f"{out} already exists and is not empty; pass --overwrite to replace it")
+    return Job(opts, src_dir, cfg, layers, layout, plan, device, src, out)
+
+
+def open_partial(job: Job, log: Callable[[str], None]) -> tuple[dict[str, dict], float]:
+    """(shards already written, seconds already spent) of OUT.partial, created if new."""
+    partial, done, prior_s = job.partial, {}, 0.0
+    if partial.exists():
+        if not job.opts.resume:
+            raise CompressError(f"{partial} holds a previous unfinished run; continue it with --resume or delete it")
+        man = read_json_object(partial / PROGRESS_FILE, "compress progress", CompressError, PROGRESS_FORMAT)
+        if man.get("fingerprint") != job.fingerprint():
+            raise CompressError(
+                f"{partial} was started with other settings (model, plan/scheme, seed, device or "
+                "qpalette version differ); delete it or run with the same settings"
+            )
+        done = {k: v for k, v in man.get("shards", {}).items() if (partial / k).is_file()}
+        prior_s = float(man.get("seconds", 0.0))
+        log(f"resuming: {len(done)} of {job.n_shards} shards already written")
+    partial.mkdir(parents=True, exist_ok=True)
+    for stray in partial.glob(".*.tmp"):  # temporaries of a killed write
+        stray.unlink()
+    return done, prior_s
+
+
+def shard_name(i: int, n: int) -> str:
+    return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def shard_tensors(job: Job, i: int, on_layer: Callable[[str], None]) -> dict[str, torch.Tensor]:
+    """Shard i: decoder block i, or (the last one) everything outside the blocks."""
+    half = half_dtype(job.cfg)
+    if i < job.n_shards - 1:
+        return quantize_block(job.src, i, job.layers, job.layout, job.device, half, on_layer,
+                              job.opts.random_codes)
+    return other_tensors(job.src, job.cfg, job.layout, half)
+
+
+def write_shards(job: Job, done: dict[str, dict], prior_s: float) -> tuple[dict[str, str], dict[str, int]]:
+    """Write every missing shard (manifest after each); (weight map, bytes by category)."""
+    from tqdm.auto import tqdm
+
+    def save_manifest():
+        atomic_write_json(job.partial / PROGRESS_FILE, {
+            "format": PROGRESS_FORMAT, "fingerprint": job.fingerprint(), "shards": done,
+            "seconds": prior_s + time.time() - job.started})
+
+    weight_map: dict[str, str] = {}
+    totals = dict.fromkeys(_CATEGORIES, 0)
+    bar = tqdm(total=job.n_shards, desc="compress", unit="shard", disable=job.opts.quiet, initial=len(done))
+    with bar:
+        for i in range(job.n_shards):
+            fname = shard_name(i, job.n_shards)
+            if fname not in done:
+                tensors = shard_tensors(job, i, lambda n: bar.set_postfix_str(n.split("layers.")[-1]))
+                atomic_write(job.partial / fname, safetensors_bytes(tensors, metadata={"format": "pt"}))
+                done[fname] = {"tensors": sorted(tensors), "bytes": byte_breakdown(tensors, job.layout)}
+                save_manifest()
+                bar.update(1)
+            weight_map.update(dict.fromkeys(done[fname]["tensors"], fname))
+            for k in totals:
+                totals[k] += done[fname]["bytes"][k]
+    return weight_map, totals
+
+
+def make_report(job: Job, totals: dict[str, int], prior_s: float) -> dict:
+    """The run's report; checks the written bytes against the plan's prediction."""
+    opts, device = job.opts, job.device
+    total_n = sum(l.numel for l in job.layers)
+    report = {
+        "format": "qpalette.compress-report/1",
+        "source": str(opts.model),
+        "plan": str(opts.plan) if opts.plan else None,
+        "scheme": get_quantizer(opts.scheme).name if opts.scheme else None,
+        "avg_bits": sum(l.numel * get_quantizer(job.layout.layers[l.name]).bits for l in job.layers) / total_n,
+        "bytes": totals,
+        "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
+        "wall_time_s": round(prior_s + time.time() - job.started, 2),
+        "peak_cpu_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        "resumed": prior_s > 0,
+        "random_codes": opts.random_codes,
+    }
+    if job.plan is not None:
+        predicted = (job.plan.get("totals") or {}).get("bytes") or {}
+        report["plan_predicted_bytes"] = predicted
+        if predicted.get("total") is not None and predicted["total"] != totals["total"]:
+            raise CompressError(
+                f"written tensor bytes {totals['total']:,} differ from the plan's prediction "
+                f"{predicted['total']:,} ({predicted}); this is a bug, please report it"
+            )
+    return report
+
+
+def finish(job: Job, weight_map: dict[str, str], report: dict) -> None:
+    """Index, config, tokenizer files, card and report into OUT.partial, then rename it to OUT."""
+    partial = job.partial
+    atomic_write_json(partial / "model.safetensors.index.json",
+                      {"metadata": {"total_size": report["bytes"]["total"]}, "weight_map": weight_map})
+    new_cfg = json.loads((job.src_dir / "config.json").read_text())
+    new_cfg["quantization_config"] = job.layout.to_config({"random_codes": True} if job.opts.random_codes else None)
+    new_cfg["dtype"] = str(half_dtype(job.cfg)).removeprefix("torch.")
+    new_cfg.pop("torch_dtype", None)
+    for f in sorted(job.src_dir.iterdir()):
+        if f.is_file() and f.name not in _NOT_COPIED and not f.name.endswith(_WEIGHT_FILES):
+            shutil.copy2(f, partial / f.name)
+    atomic_write(partial / "README.md", model_card(job.layout, str(job.opts.model), report))
+    atomic_write_json(partial / REPORT_FILE, report)
+    atomic_write_json(partial / "config.json", new_cfg)
+    (partial / PROGRESS_FILE).unlink()
+    if job.out.exists():
+        shutil.rmtree(job.out)
+    os.replace(partial, job.out)
+
+
+def compress(opts: CompressOptions, log: Callable[[str], None] = print) -> dict:
+    """Run (or resume) the whole compression; returns the report (also OUT/qpalette-compress.json)."""
+    job = prepare_job(opts)
+    done, prior_s = open_partial(job, log)
+    if job.device.type == "cpu" and any(get_quantizer(q).family in ("tcq", "half-tcq")
+                                        for q in job.layout.layers.values()):
+        log("note: trellis (TCQ) quantization on CPU is slow (~25-50 min per 4096×4096 matrix); "
+            "use a GPU (--device cuda) for real models")
+    if job.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(job.device)
+    weight_map, totals = write_shards(job, done, prior_s)
+    report = make_report(job, totals, prior_s)
+    finish(job, weight_map, report)
+    return report

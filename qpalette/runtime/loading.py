@@ -1,0 +1,63 @@
+"""The one model loader: an original or a compressed checkpoint, on a device, ready to run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from qpalette.errors import CheckpointError, ModelError
+from qpalette.runtime.checkpoint import QUANT_METHOD
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """float16 on CUDA (what the kernels and the FP16 baseline run in), float32 on CPU."""
+    return torch.float16 if device.type == "cuda" else torch.float32
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+               *, tokenizer: bool = True):
+    """(model in eval mode on `device`, tokenizer or None) from a local model directory, original or
+    qpalette-compressed. A compressed model on CUDA runs one token first, so the kernels' tables
+    and workspace exist before anything is compiled or captured."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from qpalette.runtime.hf_quantizer import register
+
+    register()
+    device = torch.device(device)
+    dtype = dtype or default_dtype(device)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    except (CheckpointError, ModelError):
+        raise
+    except Exception as e:  # noqa: BLE001 — transformers raises many kinds for an unusable folder
+        raise ModelError(f"cannot load a causal LM from {path}: {str(e).splitlines()[0][:200]}") from None
+    model = model.to(device).eval()
+    if is_quantized(model) and device.type == "cuda":
+        with torch.no_grad():
+            model(torch.zeros(1, 1, dtype=torch.long, device=device))
+    tok = None
+    if tokenizer:
+        try:
+            tok = AutoTokenizer.from_pretrained(str(path))
+        except Exception:  # noqa: BLE001 — a model without a tokenizer still runs on token ids
+            tok = None
+    return model, tok
+
+
+def is_quantized(model) -> bool:
+    qc = getattr(model.config, "quantization_config", None)
+    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    return method == QUANT_METHOD
+
+
+def from_pretrained(path: str | Path, device: str | torch.device | None = None,
+                    dtype: torch.dtype | None = None):
+    """A qpalette checkpoint on `device` (default: CUDA when present) in `dtype` (default: float16
+    on CUDA, float32 on CPU); refuses a folder that is not one."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model, _ = load_model(path, device, dtype, tokenizer=False)
+    if not is_quantized(model):
+        raise CheckpointError(f"{path} is not a qpalette checkpoint (no quant_method 'qpalette')")
+    return model
