@@ -2,17 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
-
-def byte_tokenizer():
-    """The 257-token byte-level tokenizer of scripts/make_synthetic_model.py (one definition)."""
-    script = Path(__file__).resolve().parents[1] / "scripts" / "make_synthetic_model.py"
-    spec = importlib.util.spec_from_file_location("make_synthetic_model", script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.byte_tokenizer()
+from qpalette.models.synthetic import byte_tokenizer
 
 
 def make_tiny_llama(path, seed: int = 0, model_type: str = "llama", **overrides) -> Path:

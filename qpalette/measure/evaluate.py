@@ -1,15 +1,16 @@
 """Quality of a (compressed or original) causal LM: perplexity and data-free KL divergence.
 
 Perplexity follows the usual GPTQ protocol: the whole evaluation text is tokenized once (the
-`datasets` WikiText-2 test split joined with "\\n\\n", or a local text file as is), cut into
-floor(N / ctx) non-overlapping windows of `ctx` tokens (the tail is dropped), every window is
-scored on its own (no context carried over), and ppl = exp(mean next-token NLL over all predicted
-tokens, ctx − 1 per window).
+text of `qpalette.calibrate.data.load_text`: a `datasets` split, WikiText-2 test by default,
+joined with "\\n\\n", or a local text file as is), cut into floor(N / ctx) non-overlapping
+windows of `ctx` tokens (the tail is dropped), every window is scored on its own (no context
+carried over), and ppl = exp(mean next-token NLL over all predicted tokens, ctx − 1 per window).
 
 KL divergence (`kl_to_reference`) needs no data: `num_seqs` sequences of `seq_len` tokens are
-sampled from the *reference* model (BOS, then temperature-1 samples, seeded), and the mean
-per-token KL(p_ref ‖ p_model) of the next-token distributions at every position is reported in
-nats per token (the loss `qpalette calibrate` fits its sensitivities to).
+sampled from the *reference* model (`qpalette.calibrate.data.sample_model`: BOS, then
+temperature-1 samples, seeded), and the mean per-token KL(p_ref ‖ p_model) of the next-token
+distributions at every position is reported in nats per token (the loss `qpalette calibrate`
+fits its sensitivities to).
 
 Models are loaded through `qpalette.models.load_model`, so anything `resolve_model` accepts works,
 compressed qpalette checkpoints included.
@@ -21,56 +22,18 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from qpalette.calibrate.data import load_text, sample_model
 from qpalette.devices import dtype_name, resolve_device, resolve_dtype
 from qpalette.errors import InputError
 
 FORMAT = "qpalette.eval/1"
-DATASETS = {
-    # --dataset NAME: (datasets path, config, split)
-    "wikitext2": ("Salesforce/wikitext", "wikitext-2-raw-v1", "test"),
-}
-DATASET_ALIASES = {"wikitext-2": "wikitext2", "wikitext": "wikitext2", "wiki2": "wikitext2"}
 
 
 # --------------------------------------------------------------------------- text
-
-
-def load_eval_text(dataset: str | None = None, text_file: str | Path | None = None) -> tuple[str, str]:
-    """(text, source description). `text_file` is read as is (UTF-8, universal newlines);
-    `dataset` (default wikitext2) is loaded through `datasets` and its lines joined with "\\n\\n"."""
-    if dataset and text_file:
-        raise InputError("give --dataset or --text-file, not both")
-    if text_file:
-        p = Path(text_file).expanduser()
-        if not p.is_file():
-            raise InputError(f"--text-file {p}: no such file")
-        try:
-            text = p.read_text(encoding="utf-8", errors="replace")
-        except OSError as e:
-            raise InputError(f"--text-file {p}: {e.strerror or e}") from None
-        return text, f"file:{p.name}"
-    name = (dataset or "wikitext2").strip().lower()
-    name = DATASET_ALIASES.get(name, name)
-    if name not in DATASETS:
-        raise InputError(f"unknown --dataset '{dataset}': choose from {', '.join(DATASETS)} "
-                        "(or give any local text with --text-file)")
-    path, config, split = DATASETS[name]
-    try:
-        import datasets
-
-        ds = datasets.load_dataset(path, config, split=split)
-    except Exception as e:  # noqa: BLE001 - offline, hub errors, cache problems: all reported alike
-        first = (str(e).splitlines() or [""])[0][:200]
-        raise InputError(
-            f"cannot load {name} ({path}, {config}, {split}) through `datasets` "
-            f"({type(e).__name__}: {first}). Offline? Pass the raw test text with --text-file FILE."
-        ) from None
-    return "\n\n".join(ds["text"]), f"dataset:{name}"
 
 
 def tokenize(tokenizer, text: str) -> torch.Tensor:
@@ -176,34 +139,15 @@ class KL:
     reference: str = ""
 
 
-def bos_id(tokenizer, model) -> int:
-    bos = tokenizer.bos_token_id if tokenizer is not None else None
-    if bos is None:
-        bos = model.config.bos_token_id
-    if isinstance(bos, (list, tuple)):
-        bos = bos[0] if bos else None
-    return int(bos) if bos is not None else 0
-
-
 def _logprobs(model, ids: torch.Tensor) -> torch.Tensor:
     logits = model(input_ids=ids, use_cache=False).logits
     return F.log_softmax(logits.float(), dim=-1)
 
 
-@torch.no_grad()
 def sample_reference(ref_model, ref_tokenizer, num_seqs: int, seq_len: int, seed: int, device,
                      progress: bool = False) -> torch.Tensor:
     """[num_seqs, seq_len] int64: BOS, then temperature-1 samples of the reference (seeded)."""
-    from qpalette.calibrate.sensitivity import sample_tokens
-
-    device = torch.device(device)
-    batch = min(num_seqs, 256 if device.type == "cuda" else 16)
-    bar = _bar(num_seqs, "sampling", "seq", progress)
-    try:
-        return sample_tokens(ref_model, num_seqs, seq_len, seed, batch, bos_id(ref_tokenizer, ref_model),
-                             device, progress=bar.update)
-    finally:
-        bar.close()
+    return sample_model(ref_model, ref_tokenizer, num_seqs, seq_len, seed, device, progress)
 
 
 @torch.no_grad()
@@ -298,7 +242,7 @@ def evaluate(opts: EvalOptions, log: Callable[[str], None] = print) -> dict:
 
     text = source = None
     if do_ppl:  # the text first: a missing file or an offline hub fails before any model loads
-        text, source = load_eval_text(opts.dataset, opts.text_file)
+        text, source = load_text(opts.text_file, opts.dataset)
     model_dir = resolve_model(opts.model)
     ref_dir = resolve_model(opts.kl_to) if opts.kl_to else None
     model, tok = load_model(model_dir, device, dtype)

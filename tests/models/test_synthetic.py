@@ -1,16 +1,13 @@
-"""scripts/make_synthetic_model.py: a random-weight checkpoint that transformers loads as is."""
+"""qpalette.models.synthetic: a random-weight checkpoint that transformers loads as is."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "make_synthetic_model.py"
 TINY = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 256,
         "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
         "num_hidden_layers": 4, "vocab_size": 320, "tie_word_embeddings": False,
@@ -19,10 +16,9 @@ TINY = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_si
 
 @pytest.fixture(scope="module")
 def syn():
-    spec = importlib.util.spec_from_file_location("make_synthetic_model", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from qpalette.models import synthetic
+
+    return synthetic
 
 
 @pytest.fixture()
