@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from qpalette.errors import ModelError
-from qpalette.models.sources import gguf_state_dict, load_model, resolve_model
+from qpalette.models.gguf import gguf_state_dict
+from qpalette.models.sources import resolve_model
+from qpalette.runtime.loading import load_model
 
 
 def test_local_dir_is_used_as_is(tiny_llama_dir):
