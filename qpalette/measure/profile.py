@@ -129,64 +129,71 @@ def fp16_decode_step_time(cfg: dict, batch: int, dtype: torch.dtype, prompt_len:
     return step, method
 
 
+def _require_kernels() -> None:
+    if not torch.cuda.is_available():
+        raise KernelError("qpalette profile measures CUDA kernels: no CUDA device is available")
+    from qpalette.runtime import kernel_build
+
+    if not kernel_build.available():
+        raise KernelError("the qpalette CUDA kernels are not available on this machine (see warnings)")
+
+
+def measure_constant(cfg: dict, batch: int, dtype: torch.dtype, say=_say) -> tuple[float, dict]:
+    """(constant_s, its parts): the FP16 step minus its linear layers, plus the rotations."""
+    try:
+        step, method = fp16_decode_step_time(cfg, batch, dtype)
+    except Exception as e:  # noqa: BLE001 — reported with the way out
+        raise KernelError(f"measuring the FP16 decode step failed ({type(e).__name__}: {e}); "
+                          "rerun with constant=False to keep only kernel timings") from e
+    lin = fp16_linear_time(cfg, batch, dtype)
+    rot = rotation_time(cfg, batch, dtype)
+    const = max(step - lin, 0.0) + rot
+    say(f"  batch {batch}: FP16 step {step * 1e3:.3f} ms ({method}), linear {lin * 1e3:.3f} ms, "
+        f"rotations {rot * 1e3:.3f} ms → constant {const * 1e3:.3f} ms")
+    return const, {"fp16_step_s": step, "fp16_linear_s": lin, "rotation_s": rot, "step_method": method}
+
+
+def profile_document(label: str, batch: int, constant: tuple[float, dict], shapes: dict, groups: dict,
+                     measured: dict) -> dict:
+    return {
+        "format": LATENCY_FORMAT,
+        "model": label,
+        "device": torch.cuda.get_device_name(),
+        "batch_size": batch,
+        "constant_s": constant[0],
+        "shapes": {g: list(s) for g, s in shapes.items()},
+        "groups": groups,
+        "units": "seconds per decode step; groups: one block's kernel call; total = Σ blocks + constant_s",
+        "source": "qpalette profile (qpalette CUDA kernels)",
+        "constant": constant[1],
+        "measured": measured,
+    }
+
+
 def run_profile(model: str, batch_sizes: list[int] | None = None, out_dir: str | Path = ".",
                 entries: list[str] | None = None, dtype: str = "float16", constant: bool = True,
                 name: str | None = None, say=_say) -> list[Path]:
     """Measure and write one `qpalette.latency/1` file per batch size; returns their paths."""
-    if not torch.cuda.is_available():
-        raise KernelError("qpalette profile measures CUDA kernels: no CUDA device is available")
-    from qpalette.runtime import kernel_build as kernels
-
-    if not kernels.available():
-        raise KernelError("the qpalette CUDA kernels are not available on this machine (see warnings)")
+    _require_kernels()
     batch_sizes = batch_sizes or [1]
     entries = entries or list(PALETTE)
     tdtype = getattr(torch, dtype)
-    cfg, source = load_model_config(model)
+    cfg, _source = load_model_config(model)
     shapes = group_shapes(cfg)
-    label = name or cfg.get("_name_or_path") or model
+    label = name or cfg.get("_name_or_path") or Path(str(model)).name  # a model id, not a local path
     say(f"profiling {label}: {len(shapes)} groups, {len(set(shapes.values()))} shapes, "
         f"{len(entries)} entries, batch sizes {batch_sizes} on {torch.cuda.get_device_name()}")
     t0 = time.time()
-    consts = {}
-    for m in batch_sizes:  # first: it fails fast where the kernel timings would take minutes
-        const, parts = 0.0, {}
-        if constant:
-            try:
-                step, method = fp16_decode_step_time(cfg, m, tdtype)
-            except Exception as e:
-                raise KernelError(f"measuring the FP16 decode step failed ({type(e).__name__}: {e}); "
-                                   "rerun with constant=False to keep only kernel timings") from e
-            lin = fp16_linear_time(cfg, m, tdtype)
-            rot = rotation_time(cfg, m, tdtype)
-            const = max(step - lin, 0.0) + rot
-            parts = {"fp16_step_s": step, "fp16_linear_s": lin, "rotation_s": rot, "step_method": method}
-            say(f"  batch {m}: FP16 step {step * 1e3:.3f} ms ({method}), linear {lin * 1e3:.3f} ms, "
-                f"rotations {rot * 1e3:.3f} ms → constant {const * 1e3:.3f} ms")
-        consts[m] = (const, parts)
+    # the constants first: they fail fast where the kernel timings would take minutes
+    consts = {m: measure_constant(cfg, m, tdtype, say) if constant else (0.0, {}) for m in batch_sizes}
     groups = measure_groups(shapes, entries, batch_sizes, tdtype, say)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    measured = {"dtype": dtype, "torch": torch.__version__, "cuda": torch.version.cuda,
+                "seconds": time.time() - t0, "method": "median of CUDA-graph replays, weights cycled past L2"}
     stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(str(label)).name.lower())
     written = []
     for m in batch_sizes:
-        const, parts = consts[m]
-        doc = {
-            "format": LATENCY_FORMAT,
-            "model": str(label),
-            "device": torch.cuda.get_device_name(),
-            "batch_size": m,
-            "constant_s": const,
-            "shapes": {g: list(s) for g, s in shapes.items()},
-            "groups": groups[m],
-            "units": "seconds per decode step; groups: one block's kernel call; total = Σ blocks + constant_s",
-            "source": "qpalette profile (qpalette CUDA kernels)",
-            "constant": parts,
-            "measured": {"config": source, "dtype": dtype, "torch": torch.__version__,
-                         "cuda": torch.version.cuda, "seconds": time.time() - t0,
-                         "method": "median of CUDA-graph replays, weights cycled past L2"},
-        }
-        path = out_dir / f"latency_{stem}_b{m}.json"
+        path = Path(out_dir) / f"latency_{stem}_b{m}.json"
+        doc = profile_document(str(label), m, consts[m], shapes, groups[m], measured)
         atomic_write(path, json.dumps(doc, indent=1) + "\n")
         say(f"wrote {path}")
         written.append(path)
