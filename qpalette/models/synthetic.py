@@ -182,52 +182,61 @@ def get_tokenizer(spec: str):
 # --------------------------------------------------------------------------- the writer
 
 
+def _config_and_tokenizer(config: str, layers: int | None, tokenizer: str):
+    """(transformers config with the tokenizer's BOS/EOS and float16, tokenizer, config source)."""
+    d, source = load_config_dict(config)
+    cfg = build_config(d, layers)
+    tok = get_tokenizer(tokenizer)
+    if len(tok) > cfg.vocab_size:
+        raise InputError(f"the tokenizer has {len(tok)} tokens, more than the config's vocab_size {cfg.vocab_size}")
+    if tokenizer == "byte" or tok.bos_token_id is not None:
+        cfg.bos_token_id = tok.bos_token_id
+        cfg.eos_token_id = tok.eos_token_id if tok.eos_token_id is not None else tok.bos_token_id
+    cfg.dtype = "float16"
+    return cfg, tok, source
+
+
+def _write_shards(folder: Path, shards, seed: int, std: float, log) -> dict[str, str]:
+    """Every shard's tensors, generated one shard at a time; the weight map."""
+    from safetensors.torch import save_file
+
+    t0 = time.perf_counter()
+    weight_map = {}
+    names = ["model.safetensors"] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for fname, shard in zip(names, shards):
+        tensors = {name: make_tensor(name, shape, seed, std) for name, shape in shard}
+        save_file(tensors, str(folder / fname), metadata={"format": "pt"})
+        os.chmod(folder / fname, 0o644)
+        weight_map.update({name: fname for name in tensors})
+        size = sum(t.numel() * 2 for t in tensors.values())
+        del tensors
+        log(f"  wrote {fname} ({len(shard)} tensors, {size / 1e9:.2f} GB, {time.perf_counter() - t0:.0f} s)")
+    return weight_map
+
+
 def make_synthetic_model(out_dir: str | Path, config: str = "llama-3.1-8b", layers: int | None = None,
                          seed: int = 0, std: float = 0.02, shard_gb: float = 2.0, tokenizer: str = "byte",
                          force: bool = False, log=print) -> Path:
-    """Write the checkpoint (see module doc); returns OUT_DIR."""
-    from safetensors.torch import save_file
-
+    """Write the checkpoint (see module doc) to OUT_DIR.partial, renamed when complete; returns OUT_DIR."""
     out = Path(out_dir).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise InputError(f"{out} exists and is not empty (pass --force to replace it)")
     if not (std > 0) or not (shard_gb > 0):
         raise InputError("--std and --shard-gb must be positive")
-    d, source = load_config_dict(config)
-    cfg = build_config(d, layers)
-    tok = get_tokenizer(tokenizer)
-    n_tok = len(tok)
-    if n_tok > cfg.vocab_size:
-        raise InputError(f"the tokenizer has {n_tok} tokens, more than the config's vocab_size {cfg.vocab_size}")
-    if tokenizer == "byte" or tok.bos_token_id is not None:
-        cfg.bos_token_id = tok.bos_token_id
-        cfg.eos_token_id = tok.eos_token_id if tok.eos_token_id is not None else tok.bos_token_id
-    cfg.dtype = "float16"
-
+    cfg, tok, source = _config_and_tokenizer(config, layers, tokenizer)
     specs = tensor_specs(cfg)
     shards = plan_shards(specs, int(shard_gb * 1e9))
     total = sum(2 * math.prod(s) for _n, s in specs)
     log(f"{source}: {cfg.num_hidden_layers} blocks, {sum(math.prod(s) for _n, s in specs) / 1e9:.3f} B "
         f"parameters, {total / 1e9:.2f} GB float16 in {len(shards)} shard(s) → {out}")
-
     tmp = out.with_name(out.name + ".partial")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     t0 = time.perf_counter()
     try:
-        weight_map = {}
-        names = ["model.safetensors"] if len(shards) == 1 else [
-            f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-        for fname, shard in zip(names, shards):
-            tensors = {name: make_tensor(name, shape, seed, std) for name, shape in shard}
-            save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
-            os.chmod(tmp / fname, 0o644)
-            weight_map.update({name: fname for name in tensors})
-            size = sum(t.numel() * 2 for t in tensors.values())
-            del tensors
-            log(f"  wrote {fname} ({len(shard)} tensors, {size / 1e9:.2f} GB, "
-                f"{time.perf_counter() - t0:.0f} s)")
+        weight_map = _write_shards(tmp, shards, seed, std, log)
         if len(shards) > 1:
             (tmp / "model.safetensors.index.json").write_text(json.dumps(
                 {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
@@ -236,7 +245,7 @@ def make_synthetic_model(out_dir: str | Path, config: str = "llama-3.1-8b", laye
         (tmp / "qpalette_source.json").write_text(json.dumps({
             "synthetic": True, "config": source, "layers": cfg.num_hidden_layers, "seed": seed, "std": std,
             "tokenizer": tokenizer, "note": "random weights ~ N(0, std^2) float16, norms 1, biases 0 "
-                                            "(scripts/make_synthetic_model.py); not a trained model",
+                                            "(qpalette.models.synthetic); not a trained model",
         }, indent=1) + "\n")
         os.chmod(tmp, 0o755)
         if out.exists():
