@@ -32,7 +32,7 @@ def palette(families: tuple[str, ...] | None = None, *, measure: bool = False, r
     fresh rows×cols Gaussian matrix (`measure`, optionally written to `write`)."""
     from qpalette.devices import resolve_device
     from qpalette.errors import InputError
-    from qpalette.quant.distortion import measure_all, shipped_table, write_table
+    from qpalette.quant.distortion import DistortionTable, measure_table
     from qpalette.quant.palette import FAMILIES, palette_entries
 
     unknown = set(families or ()) - set(FAMILIES)
@@ -40,21 +40,20 @@ def palette(families: tuple[str, ...] | None = None, *, measure: bool = False, r
         raise InputError(f"unknown family {sorted(unknown)}; choose from {', '.join(FAMILIES)}")
     entries = palette_entries(tuple(families) if families else None)
     if not measure:
-        table = shipped_table()
+        table = DistortionTable.load().rows
         return [table[q.name] for q in entries if q.name in table]
     dev = str(resolve_device(device))
-    rows_out, how = measure_all(entries, rows, cols, seed, dev,
-                                lambda r: log(f"  measured {r.name:>14}  nmse {r.nmse:.5f}"))
+    table = measure_table(entries, rows, cols, seed, dev, lambda r: log(f"  measured {r.name:>14}  nmse {r.nmse:.5f}"))
     if write:
-        write_table(rows_out, Path(write), how)
-    return rows_out
+        table.save(write)
+    return list(table.rows.values())
 
 
 def calibrate(model: str, output: str | Path = "sens.json", *, devices: str = "auto", log: Log = _quiet,
               **options) -> dict:
     """Per-layer sensitivities a_l (docs/method.md §4), written to `output` and returned.
 
-    `options` are the fields of `qpalette.calibration.CalibrateOptions` (num_seqs, seq_len, levels,
+    `options` are the fields of `qpalette.calibration.sensitivity.CalibrateOptions` (num_seqs, seq_len, levels,
     t_max, directions, seed, batch_size, dtype, dataset, text_file, layers, resume, progress)."""
     from qpalette.calibration.sensitivity import CalibrateOptions, parse_devices
     from qpalette.calibration.sensitivity import calibrate as run
@@ -63,7 +62,7 @@ def calibrate(model: str, output: str | Path = "sens.json", *, devices: str = "a
     return run(opts, log=log)
 
 
-def plan(model: str | None, budget: str | list[str], *, sensitivity: str | Path, output: str | Path | None = None,
+def plan(model: str | None, budget: str | list[str], *, sensitivity: str | Path | None, output: str | Path | None = None,
          plot: str | Path | None = None, **options):
     """The plan (docs/method.md §5) minimising predicted loss under `budget` ("3.25bits", "2.4GB",
     "200tok/s"; a list or comma list combines them); written to `output` (and a bits-per-layer PNG to
@@ -75,7 +74,7 @@ def plan(model: str | None, budget: str | list[str], *, sensitivity: str | Path,
     for key in ("latency_profile", "distortion"):
         if options.get(key) is not None:
             options[key] = str(options[key])
-    result = make(model, budgets, sensitivity=str(sensitivity), **options)
+    result = make(model, budgets, sensitivity=None if sensitivity is None else str(sensitivity), **options)
     if output is not None:
         write_plan(result, output)
     if plot is not None:
@@ -107,17 +106,17 @@ def compress(model: str, plan_or_scheme: str | Path, out_dir: str | Path, *, log
     """Rotate and quantize `model` into a qpalette checkpoint in `out_dir`; returns the report.
 
     `plan_or_scheme`: a plan file from `plan`, or one palette entry for every layer ("tcq-3.0").
-    `options` are the fields of `qpalette.compression.CompressOptions` (fuse, device, resume,
+    `options` are the fields of `qpalette.compression.writer.CompressOptions` (fuse, device, resume,
     overwrite, sign_seed, quiet, random_codes)."""
     from qpalette.compression.writer import CompressOptions
     from qpalette.compression.writer import compress as run
-    from qpalette.errors import UnknownQuantizer
     from qpalette.quant.palette import get_quantizer
 
-    try:
-        scheme, plan_file = get_quantizer(str(plan_or_scheme)).name, None
-    except UnknownQuantizer:
-        scheme, plan_file = None, Path(plan_or_scheme)
+    text = str(plan_or_scheme)
+    if Path(text).exists() or text.endswith(".json"):
+        scheme, plan_file = None, Path(text)
+    else:  # an entry name; an unknown one is refused with the palette's list
+        scheme, plan_file = get_quantizer(text).name, None
     opts = CompressOptions(model=model, output=Path(out_dir), plan=plan_file, scheme=scheme, **options)
     return run(opts, log=log)
 

@@ -11,7 +11,7 @@
         scaled by each group's weight count; the two entries it lacks extrapolated), solved
         under speed, memory and combined budgets.
 
-Every plan goes through the same path as `qpalette plan` (qpalette.plan_command.plan).
+Every plan goes through the same path as `qpalette plan` (qpalette.planning.planner.plan, which returns a Plan).
 Prints one line per plan (and --json FILE writes them all).
 """
 
@@ -32,7 +32,8 @@ from qpalette.models.topology import (
     GROUPS,  # noqa: E402
     linear_layers,  # noqa: E402
 )
-from qpalette.plan.planner import plan  # noqa: E402
+from qpalette.planning.document import Plan  # noqa: E402
+from qpalette.planning.planner import plan  # noqa: E402
 from qpalette.quant.palette import PALETTE  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,8 +47,8 @@ LLAMA3_70B = {
 }
 
 
-def row(name: str, p: dict) -> dict:
-    t, s = p["totals"], p["solver"]
+def row(name: str, p: Plan) -> dict:
+    t, s = p.totals, p.solver
     return {
         "plan": name,
         "status": s["status"],
@@ -57,12 +58,12 @@ def row(name: str, p: dict) -> dict:
         "bytes": t["bytes"]["total"],
         "tok_per_s": t["tok_per_s"],
         "solve_s": s["solve_time_s"],
-        "wall_s": p["provenance"]["wall_time_s"],
+        "wall_s": p.provenance["wall_time_s"],
         "variables": s["variables"],
-        "fused_groups": sum(1 for b in p["blocks"] for g in b["groups"] if len(GROUPS[g["group"]]) > 1),
-        "distortion_gap": p["bound"]["distortion_gap"],
-        "bit_allocation_gap": p["bound"]["bit_allocation_gap"],
-        "ideal_loss": p["bound"]["ideal_loss"],
+        "fused_groups": sum(1 for b in p.blocks for g in b.groups if len(GROUPS[g.group]) > 1),
+        "distortion_gap": p.bound["distortion_gap"],
+        "bit_allocation_gap": p.bound["bit_allocation_gap"],
+        "ideal_loss": p.bound["ideal_loss"],
     }
 
 
@@ -154,7 +155,7 @@ def scale(args) -> list[dict]:
         mid = plan(model, ["3.25bits"], **common)
         out.append(row("3.25bits fused", mid))
         show(out[-1])
-        v = mid["totals"]["tok_per_s"]  # speed budgets where they bind at 2-3.25 bits
+        v = mid.totals["tok_per_s"]  # speed budgets where they bind at 2-3.25 bits
         budgets = [[f"{v * 1.1:.2f}tok/s"], [f"{v * 1.25:.2f}tok/s"], [f"{v * 1.5:.2f}tok/s"],
                    ["3.25bits", f"{v * 1.1:.2f}tok/s"], ["36GB", f"{v * 1.2:.2f}tok/s"]]
         for b in budgets:

@@ -8,8 +8,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from qpalette.calibrate.sensitivity import spearman  # noqa: E402
+from scipy.stats import spearmanr
 
 
 def main(paths):
@@ -30,7 +29,7 @@ def main(paths):
         names = [n for n in docs[0]["layers"] if n in docs[1]["layers"]]
         a0 = [docs[0]["layers"][n]["a"] for n in names]
         a1 = [docs[1]["layers"][n]["a"] for n in names]
-        out["spearman"] = spearman(a0, a1)
+        out["spearman"] = float(spearmanr(a0, a1).statistic)
         out["median_abs_rel_diff"] = statistics.median(abs(x - y) / (0.5 * (x + y)) for x, y in zip(a0, a1))
     print(json.dumps(out, indent=1))
     return out

@@ -27,12 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from qpalette.fileio import atomic_write  # noqa: E402
 from qpalette.models.topology import layer_name, linear_layers  # noqa: E402
-from qpalette.plan.inputs import (  # noqa: E402
-    DISTORTION_FORMAT,
-    LATENCY_FORMAT,
-    SENSITIVITY_FORMAT,
-    sha256_file,
-)
+from qpalette.planning.inputs import LATENCY_FORMAT, SENSITIVITY_FORMAT, sha256_file  # noqa: E402
+from qpalette.quant.distortion import DISTORTION_FORMAT  # noqa: E402
 from qpalette.quant.palette import get_quantizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -37,9 +37,9 @@ UNIFORM = ["tcq-2.0", "tcq-2.5", "tcq-3.0", "tcq-3.5", "tcq-4.0",
 
 
 def predicted_loss(sens: dict, layers: dict[str, str]) -> float:
-    from qpalette.quant.distortion import shipped_table
+    from qpalette.quant.distortion import DistortionTable
 
-    table = shipped_table()
+    table = DistortionTable.load().rows
     return sum(max(v["a"], 0.0) * table[layers[n]].nmse for n, v in sens["layers"].items())
 
 
@@ -61,12 +61,14 @@ def main() -> None:
     args = ap.parse_args()
 
     import qpalette  # noqa: F401  (registers the checkpoint format)
+    from qpalette.calibration.data import load_text as load_eval_text
     from qpalette.compression.writer import CompressOptions, compress
     from qpalette.fileio import atomic_write_json
-    from qpalette.measure.evaluate import load_eval_text, mean_kl, perplexity, sample_reference, tokenize
-    from qpalette.models.sources import load_model, resolve_model
+    from qpalette.measure.evaluate import mean_kl, perplexity, sample_reference, tokenize
+    from qpalette.models.sources import resolve_model
     from qpalette.models.topology import linear_layers, load_config
     from qpalette.quant.rtn import rtn_bits, rtn_fake_quantize
+    from qpalette.runtime.loading import load_model
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[args.dtype]

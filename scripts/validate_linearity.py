@@ -23,17 +23,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from qpalette.calibrate.sensitivity import (  # noqa: E402
-    BlockEvaluator,
-    linear_layers,
-    ref_cache_budget,
-    resolve_dtype,
-    sample_tokens,
-    spearman,
-)
-from qpalette.models.sources import load_model, resolve_model  # noqa: E402
+from scipy.stats import spearmanr  # noqa: E402
+
+from qpalette.calibration.data import bos_token_id, sample_tokens  # noqa: E402
+from qpalette.calibration.evaluator import BlockEvaluator, linear_layers, ref_cache_budget  # noqa: E402
+from qpalette.devices import resolve_dtype  # noqa: E402
+from qpalette.models.sources import resolve_model  # noqa: E402
 from qpalette.quant.incoherence import random_signs, rotate_weight, unrotate_weight  # noqa: E402
 from qpalette.quant.palette import get_quantizer  # noqa: E402
+from qpalette.runtime.loading import load_model  # noqa: E402
 
 DEFAULT_ENTRIES = ["nuq-3", "nuq-4", "nuq-5", "vq-2.0", "vq-2.5", "vq-3.0", "vq-4.0", "tcq-2.0", "tcq-3.0"]
 
@@ -69,11 +67,11 @@ def main(argv=None):
 
     dev = torch.device(args.device)
     t0 = time.perf_counter()
-    model, tok = load_model(resolve_model(args.model), dev, resolve_dtype(args.dtype, dev))
+    model, tok = load_model(resolve_model(args.model), dev, resolve_dtype(args.dtype, dev, auto_cuda="tf32"))
     sens = [json.loads(Path(p).read_text()) for p in args.sens]
     layers = [(n, m) for n, m, _b in linear_layers(model) if all(n in s["layers"] for s in sens)]
-    bos = tok.bos_token_id if tok is not None and tok.bos_token_id is not None else model.config.bos_token_id
-    tokens = sample_tokens(model, args.num_seqs, args.seq_len, args.seed, args.num_seqs, int(bos), dev)
+    tokens = sample_tokens(model, args.num_seqs, args.seq_len, args.seed, args.num_seqs,
+                           bos_token_id(tok, model.config), dev)
     ev = BlockEvaluator(model, tokens, args.batch_size, dev, ref_cache_budget(dev))
     ev.prepare()
     entries = []
@@ -139,7 +137,7 @@ def main(argv=None):
             "sensitivity": str(path),
             "pearson": pearson(pred, meas),
             "pearson_log": pearson([math.log(p) for p in pred], [math.log(max(m, 1e-12)) for m in meas]),
-            "spearman": spearman(pred, meas),
+            "spearman": float(spearmanr(pred, meas).statistic),
             "median_ratio_measured_over_predicted": median(ratios),
             "min_ratio": min(ratios), "max_ratio": max(ratios),
         })

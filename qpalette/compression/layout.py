@@ -5,13 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from qpalette.errors import CompressError, UnknownQuantizer, UnsupportedShape
-from qpalette.fileio import read_json_object
 from qpalette.models.topology import LayerShape, group_module
+from qpalette.planning.document import Plan
 from qpalette.quant.hadamard import decompose
 from qpalette.quant.palette import get_quantizer
 from qpalette.runtime.checkpoint import Layout
-
-PLAN_FORMAT = "qpalette.plan/1"
 
 
 def layout_from_scheme(scheme: str, layers: list[LayerShape], fuse: bool, seed: int) -> Layout:
@@ -29,39 +27,31 @@ def layout_from_scheme(scheme: str, layers: list[LayerShape], fuse: bool, seed: 
     return Layout({l.name: q for l in layers}, groups, seed)
 
 
-def layout_from_plan(path: Path, layers: list[LayerShape], fuse: bool, seed: int) -> tuple[Layout, dict]:
-    plan = read_json_object(path, "plan", CompressError, PLAN_FORMAT, "written by `qpalette plan -o`")
-    planned = plan.get("layers")
-    if not isinstance(planned, dict):
-        raise CompressError(f"plan {path} has no 'layers' object")
+def layout_from_plan(path: Path, layers: list[LayerShape], fuse: bool, seed: int) -> tuple[Layout, Plan]:
+    """The layout a plan file asks for; refuses a plan made for another model."""
+    plan = Plan.load(path)
     known = {l.name: l for l in layers}
-    extra = sorted(set(planned) - set(known))
-    missing = sorted(set(known) - set(planned))
+    extra = sorted(set(plan.layers) - set(known))
+    missing = sorted(set(known) - set(plan.layers))
     if extra or missing:
         raise CompressError(
             f"plan {path} does not match the model: "
             + (f"layers not in the model: {extra[:3]}{'…' if len(extra) > 3 else ''}; " if extra else "")
             + (f"model layers missing from the plan: {missing[:3]}{'…' if len(missing) > 3 else ''}" if missing else "")
         )
-    chosen = {}
-    for name, entry in planned.items():
+    for name, entry in plan.layers.items():
         l = known[name]
-        if list(entry.get("shape", [])) != [l.out_features, l.in_features]:
+        if list(entry.shape) != [l.out_features, l.in_features]:
             raise CompressError(
-                f"plan {path}: {name} has shape {entry.get('shape')} but the model's is "
+                f"plan {path}: {name} has shape {entry.shape} but the model's is "
                 f"[{l.out_features}, {l.in_features}]; the plan was made for another model"
             )
-        chosen[name] = entry.get("quantizer")
-    groups: dict[str, list[str]] = {}
+    groups = {}
     if fuse:
-        for blk in plan.get("blocks", []):
-            for g in blk.get("groups", []):
-                names = list(g.get("layers", []))
-                if len(names) > 1:
-                    kinds = [known[n].kind for n in names]
-                    groups[group_module(names[0], kinds)] = names
+        for g in (g for blk in plan.blocks for g in blk.groups if len(g.layers) > 1):
+            groups[group_module(g.layers[0], [known[n].kind for n in g.layers])] = list(g.layers)
     try:
-        return Layout(chosen, groups, seed), plan
+        return Layout(plan.assignment(), groups, seed), plan
     except (UnknownQuantizer, ValueError, KeyError) as e:
         raise CompressError(f"plan {path}: {e}") from None
 

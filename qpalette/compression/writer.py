@@ -31,6 +31,7 @@ from qpalette.devices import resolve_device
 from qpalette.errors import CompressError, ModelError, UnknownQuantizer
 from qpalette.fileio import atomic_write, atomic_write_json, read_json_object
 from qpalette.models.topology import LayerShape, check_config, linear_layers, load_config
+from qpalette.planning.document import Plan
 from qpalette.quant.palette import get_quantizer
 from qpalette.runtime.checkpoint import Layout
 from qpalette.version import __version__
@@ -67,7 +68,7 @@ class Job:
     cfg: dict
     layers: list[LayerShape]
     layout: Layout
-    plan: dict | None
+    plan: Plan | None
     device: torch.device
     src: SourceCheckpoint
     out: Path
@@ -201,7 +202,7 @@ def make_report(job: Job, totals: dict[str, int], prior_s: float) -> dict:
         "random_codes": opts.random_codes,
     }
     if job.plan is not None:
-        predicted = (job.plan.get("totals") or {}).get("bytes") or {}
+        predicted = job.plan.totals.get("bytes") or {}
         report["plan_predicted_bytes"] = predicted
         if predicted.get("total") is not None and predicted["total"] != totals["total"]:
             raise CompressError(

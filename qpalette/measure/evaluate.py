@@ -1,13 +1,13 @@
 """Quality of a (compressed or original) causal LM: perplexity and data-free KL divergence.
 
 Perplexity follows the usual GPTQ protocol: the whole evaluation text is tokenized once (the
-text of `qpalette.calibrate.data.load_text`: a `datasets` split, WikiText-2 test by default,
+text of `qpalette.calibration.data.load_text`: a `datasets` split, WikiText-2 test by default,
 joined with "\\n\\n", or a local text file as is), cut into floor(N / ctx) non-overlapping
 windows of `ctx` tokens (the tail is dropped), every window is scored on its own (no context
 carried over), and ppl = exp(mean next-token NLL over all predicted tokens, ctx − 1 per window).
 
 KL divergence (`kl_to_reference`) needs no data: `num_seqs` sequences of `seq_len` tokens are
-sampled from the *reference* model (`qpalette.calibrate.data.sample_model`: BOS, then
+sampled from the *reference* model (`qpalette.calibration.data.sample_model`: BOS, then
 temperature-1 samples, seeded), and the mean per-token KL(p_ref ‖ p_model) of the next-token
 distributions at every position is reported in nats per token (the loss `qpalette calibrate`
 fits its sensitivities to).
@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from qpalette.calibrate.data import load_text, sample_model
+from qpalette.calibration.data import load_text, sample_model
 from qpalette.devices import dtype_name, resolve_device, resolve_dtype
 from qpalette.errors import InputError
 
@@ -225,7 +225,8 @@ def evaluate(opts: EvalOptions, log: Callable[[str], None] = print) -> dict:
     Perplexity runs when a dataset or text file is given, or when no --kl-to is (then on the
     default dataset, wikitext2); KL runs when --kl-to is given."""
     from qpalette.fileio import atomic_write_json
-    from qpalette.models.sources import load_model, resolve_model
+    from qpalette.models.sources import resolve_model
+    from qpalette.runtime.loading import load_model
 
     if opts.dataset and opts.text_file:
         raise InputError("give --dataset or --text-file, not both")

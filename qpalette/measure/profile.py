@@ -31,7 +31,7 @@ from qpalette.fileio import atomic_write
 from qpalette.measure import timing as kernel_timing
 from qpalette.models import topology as architecture
 from qpalette.models.topology import GROUPS
-from qpalette.plan.inputs import LATENCY_FORMAT
+from qpalette.planning.inputs import LATENCY_FORMAT
 from qpalette.quant.palette import PALETTE, get_quantizer
 
 

@@ -156,21 +156,3 @@ def _hub_model(repo_id: str, say) -> Path:
             f"cannot get model '{repo_id}' from the Hugging Face hub ({kind}: {str(e).splitlines()[0][:160]}). "
             f"Pass a local model directory, a .gguf file, or the embedded default 'smollm2-135m'."
         ) from None
-
-
-def load_model(path: Path, device="cpu", dtype=None):
-    """(model in eval mode on `device`, tokenizer) from a local directory."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    dtype = dtype or torch.float32
-    try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-    except Exception as e:
-        raise ModelError(f"cannot load a causal LM from {path}: {str(e).splitlines()[0][:200]}") from None
-    model.to(device).eval()
-    try:
-        tok = AutoTokenizer.from_pretrained(str(path))
-    except Exception:
-        tok = None
-    return model, tok

@@ -14,18 +14,18 @@ import torch.nn.functional as F
 from shared_data import shared_dir
 from typer.testing import CliRunner
 
+from qpalette.calibration.data import bos_token_id, dataset_spec, load_text
 from qpalette.cli import app
 from qpalette.errors import InputError
 from qpalette.measure.evaluate import (
     FORMAT,
     kl_to_reference,
-    load_eval_text,
     mean_kl,
     perplexity,
     sample_reference,
     tokenize,
 )
-from qpalette.models.sources import load_model
+from qpalette.runtime.loading import load_model
 
 WIKITEXT = shared_dir() / "data" / "wikitext2_raw_test.txt"
 TEXT = (
@@ -101,15 +101,15 @@ def test_perplexity_rejects_short_text_and_bad_options(tiny):
         perplexity(model, tokenize(tok, TEXT * 8), ctx=1024)
 
 
-def test_load_eval_text(text_file, monkeypatch):
-    text, source = load_eval_text(text_file=text_file)
+def test_load_text(text_file, monkeypatch):
+    text, source = load_text(text_file=text_file)
     assert text == TEXT * 3 and source == "file:text.txt"
     with pytest.raises(InputError, match="no such file"):
-        load_eval_text(text_file=text_file.with_name("missing.txt"))
+        load_text(text_file=text_file.with_name("missing.txt"))
     with pytest.raises(InputError, match="not both"):
-        load_eval_text("wikitext2", text_file)
-    with pytest.raises(InputError, match="unknown --dataset"):
-        load_eval_text("c4-nonexistent")
+        load_text(text_file, "wikitext2")
+    with pytest.raises(InputError, match="NAME"):
+        load_text(dataset="a:b:c:d")
 
     import datasets
 
@@ -117,19 +117,43 @@ def test_load_eval_text(text_file, monkeypatch):
 
     def fake(path, config, split):
         seen["args"] = (path, config, split)
-        return {"text": [" = A = \n", "", " b c \n"]}
+        return datasets.Dataset.from_dict({"text": [" = A = \n", "", " b c \n"]})
 
     monkeypatch.setattr(datasets, "load_dataset", fake)
-    text, source = load_eval_text("wikitext2")
+    text, source = load_text(dataset="wikitext2")
     assert seen["args"] == ("Salesforce/wikitext", "wikitext-2-raw-v1", "test")
     assert text == " = A = \n\n\n\n\n b c \n" and source == "dataset:wikitext2"  # GPTQ: "\n\n".join
+    assert load_text() == (text, source)  # the default
+    # any `datasets` NAME[:CONFIG[:SPLIT]] too (split "test" when left out)
+    text, source = load_text(dataset="wikitext:wikitext-103-raw-v1")
+    assert seen["args"] == ("wikitext", "wikitext-103-raw-v1", "test") and source.endswith("103-raw-v1")
 
     def offline(*a, **k):
         raise ConnectionError("Couldn't reach 'Salesforce/wikitext' on the Hub (LocalEntryNotFoundError)")
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(InputError, match="--text-file"):
-        load_eval_text("wikitext2")
+        load_text(dataset="wikitext2")
+    with pytest.raises(InputError, match="cannot load c4-nonexistent"):
+        load_text(dataset="c4-nonexistent")
+
+
+def test_dataset_spec_aliases_and_datasets_names():
+    assert dataset_spec("WikiText-2") == ("Salesforce/wikitext", "wikitext-2-raw-v1", "test", "wikitext2")
+    assert dataset_spec("wikitext:wikitext-2-raw-v1:test") == (
+        "wikitext", "wikitext-2-raw-v1", "test", "wikitext:wikitext-2-raw-v1:test")
+    assert dataset_spec("ptb_text_only::validation")[:3] == ("ptb_text_only", None, "validation")
+
+
+def test_bos_token_id():
+    class Obj:
+        def __init__(self, bos):
+            self.bos_token_id = bos
+
+    assert bos_token_id(Obj(5), Obj(7)) == 5
+    assert bos_token_id(Obj(None), Obj(7)) == 7
+    assert bos_token_id(None, Obj([3, 4])) == 3
+    assert bos_token_id(None, Obj(None)) == 0
 
 
 # --------------------------------------------------------------------------- KL
@@ -207,7 +231,7 @@ def test_cli_user_errors_no_traceback(tiny_llama_dir, text_file, tmp_path):
         (["eval", str(tmp_path / "no_such_model"), "--text-file", str(text_file)], "no such file"),
         (["eval", str(tmp_path / "empty_dir"), "--text-file", str(text_file)], "without config.json"),
         ([*base, "--text-file", str(text_file), "--dataset", "wikitext2"], "not both"),
-        ([*base, "--dataset", "nonexistent-set"], "unknown --dataset"),
+        ([*base, "--dataset", "a:b:c:d"], "NAME[:CONFIG[:SPLIT]]"),
         ([*base, "--text-file", str(text_file), "--ctx", "100000"], "fewer than one window"),
         ([*base, "--text-file", str(text_file), "--ctx", "1"], "--ctx"),
         ([*base, "--text-file", str(text_file), "--device", "tpu"], "bad --device"),

@@ -5,7 +5,7 @@ import torch
 from shared_data import shared_dir
 
 from qpalette.errors import UnknownQuantizer, UnsupportedShape
-from qpalette.quant.distortion import measure, shipped_table
+from qpalette.quant.distortion import DistortionTable, measure
 from qpalette.quant.palette import PALETTE, get_quantizer, palette_entries
 from qpalette.quant.tiles import from_tiles, to_tiles
 
@@ -99,7 +99,7 @@ def test_half_tcq_needs_two_tile_halves():
 
 def test_shipped_table_matches_reference():
     """docs/method.md §3: within ±3% of the paper's table for every entry it lists."""
-    table = shipped_table()
+    table = DistortionTable.load().rows
     ref = reference_rows()
     assert len(ref) == 34
     for name, r in ref.items():
@@ -110,8 +110,25 @@ def test_shipped_table_matches_reference():
             assert abs(dev) <= 0.03, (name, table[name].nmse, r["nmse"])
 
 
+def test_distortion_table_round_trips_and_checks_format(tmp_path):
+    """One reader of qpalette.distortion/1: the shipped file reads back to its own bytes."""
+    from qpalette.errors import InputError
+    from qpalette.quant.codebooks import profiles_dir
+
+    table = DistortionTable.load()
+    assert table.rows == DistortionTable.load().rows and table.sha256
+    table.save(tmp_path / "t.json")
+    assert (tmp_path / "t.json").read_text() == (profiles_dir() / "distortion_gaussian.json").read_text()
+    bad = table.to_dict() | {"format": "qpalette.latency/1"}
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(InputError, match="expected 'qpalette.distortion/1'"):
+        DistortionTable.load(tmp_path / "bad.json")
+    with pytest.raises(InputError, match="unknown quantizer 'tcq-9'"):
+        DistortionTable.from_dict(table.to_dict() | {"rows": [{"name": "tcq-9", "nmse": 0.1}]})
+
+
 def test_tcq_within_1db_of_rate_distortion_bound_up_to_3_bits():
-    for row in shipped_table().values():
+    for row in DistortionTable.load().rows.values():
         if row.family == "tcq" and row.bits <= 3.0:
             assert 0 < row.gap_db < 1.0, row
 
@@ -122,5 +139,5 @@ def test_current_code_reproduces_shipped_table(name):
     """Re-measure on CPU (smaller matrix) and compare with the shipped 4096×4096 figure."""
     rows = 128 if get_quantizer(name).family in ("tcq", "half-tcq") else 512
     row = measure(get_quantizer(name), rows, 256, seed=1)
-    shipped = shipped_table()[name].nmse
+    shipped = DistortionTable.load().rows[name].nmse
     assert abs(row.nmse / shipped - 1) <= 0.01 + 4 * row.stderr / row.nmse, (row, shipped)

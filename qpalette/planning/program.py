@@ -30,21 +30,18 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from fractions import Fraction
-from itertools import product
 
 from qpalette.errors import InfeasibleBudget, InputError, PlanError, UnsupportedShape
 from qpalette.models.topology import (
     FUSED_GROUPS,
     GROUPS,
-    KINDS,
     SINGLE_GROUPS,
     UNQUANTIZED_BYTES_PER_PARAM,
     LayerShape,
     sign_vector_bytes,
 )
-from qpalette.plan.budget import Budget
-from qpalette.plan.inputs import LatencyProfile
+from qpalette.planning.budget import Budget
+from qpalette.planning.inputs import LatencyProfile
 from qpalette.quant.codebooks import codebook
 from qpalette.quant.palette import Quantizer
 
@@ -132,6 +129,23 @@ def build_problem(
 ) -> Problem:
     """Options of every block. `use_latency`: a latency budget exists (options need a latency,
     fused groups are offered when `fuse`)."""
+    _check_inputs(layers, a, quantizers, err, latency, use_latency)
+    groups, notes = _offered_groups(layers, latency, use_latency, fuse)
+    cb_bytes = {c: codebook_nbytes(c) for q in quantizers for c in q.codebooks}
+    maker = _OptionMaker(layers, a, quantizers, err, cb_bytes, latency, use_latency, active, prune)
+    options = [o for b, kinds in sorted(_layers_by_block(layers).items()) for g in groups
+               for o in maker.options(b, g, kinds)]
+    _check_covered(layers, options, use_latency)
+    sign = sign_vector_bytes(layers)
+    unq = None if unquantized_params is None else unquantized_params * UNQUANTIZED_BYTES_PER_PARAM
+    fixed = None if unq is None else sign + unq
+    return Problem(
+        layers, list(a), {q.name: q for q in quantizers}, dict(err), options, cb_bytes, fixed, sign,
+        unq, latency, use_latency and fuse, maker.pruned, notes,
+    )
+
+
+def _check_inputs(layers, a, quantizers, err, latency: LatencyProfile | None, use_latency: bool) -> None:
     if len(a) != len(layers):
         raise PlanError("one sensitivity per layer expected")
     missing = [q.name for q in quantizers if q.name not in err]
@@ -141,15 +155,15 @@ def build_problem(
         raise PlanError("a speed budget needs a latency profile (--latency-profile)")
     if latency is not None:
         check_latency_profile(latency, layers)
-    qs = {q.name: q for q in quantizers}
-    quarter = {q.name: _quarter_bits(q) for q in quantizers}
-    cb_bytes = {c: codebook_nbytes(c) for q in quantizers for c in q.codebooks}
-    notes: list[str] = []
 
+
+def _offered_groups(layers, latency: LatencyProfile | None, use_latency: bool, fuse: bool) -> tuple[list[str], list[str]]:
+    """(groups options are made for, notes): single layers; the fused groups the profile times
+    when there is a latency budget and fusion is on. Every single group of the model must be timed."""
+    notes: list[str] = []
     if use_latency:
-        absent = [g for g in SINGLE_GROUPS if g not in latency.groups]
         kinds_present = {l.kind for l in layers}
-        absent = [g for g in absent if g in kinds_present]
+        absent = [g for g in SINGLE_GROUPS if g not in latency.groups and g in kinds_present]
         if absent:
             raise InputError(
                 f"latency profile {latency.path} has no latencies for group(s) {', '.join(absent)}"
@@ -160,60 +174,86 @@ def build_problem(
         lacking = [g for g in FUSED_GROUPS if g not in latency.groups]
         if lacking:
             notes.append(f"the latency profile has no fused group(s) {', '.join(lacking)}")
+    return groups, notes
 
+
+def _layers_by_block(layers: list[LayerShape]) -> dict[int, dict[str, int]]:
+    """block → kind → layer index (one layer of each kind per block)."""
     by_block: dict[int, dict[str, int]] = {}
     for i, l in enumerate(layers):
         if l.kind in by_block.setdefault(l.block, {}):
             raise PlanError(f"two layers of kind {l.kind} in block {l.block}")
         by_block[l.block][l.kind] = i
+    return by_block
 
-    # storage per (shape, quantizer); None = unsupported shape
-    storage: dict[tuple[int, int, str], int | None] = {}
 
-    def stored(l: LayerShape, q: Quantizer) -> int | None:
-        key = (l.out_features, l.in_features, q.name)
-        if key not in storage:
-            try:
-                storage[key] = q.stored_bytes(l.out_features, l.in_features)
-            except UnsupportedShape:
-                storage[key] = None
-        return storage[key]
+@dataclass
+class _OptionMaker:
+    """Options of one (block, group): every quantizer that can hold the group's shapes (and has a
+    latency for it under a speed budget), less the dominated ones. Stored sizes and the dominance
+    test are cached per shape."""
 
-    options: list[Option] = []
-    pruned = 0
-    prune_cache: dict[tuple, set[str]] = {}
-    for b in sorted(by_block):
-        kinds = by_block[b]
-        for g in groups:
-            if any(k not in kinds for k in GROUPS[g]):
+    layers: list[LayerShape]
+    a: list[float]
+    quantizers: list[Quantizer]
+    err: dict[str, float]
+    cb_bytes: dict[str, int]
+    latency: LatencyProfile | None
+    use_latency: bool
+    active: tuple[str, ...]
+    prune: bool
+    pruned: int = 0
+    _stored: dict = field(default_factory=dict)  # (out, in, quantizer) → bytes | None (unsupported)
+    _drop: dict = field(default_factory=dict)  # (group, shapes) → names of dominated quantizers
+
+    def __post_init__(self):
+        self._quarter = {q.name: _quarter_bits(q) for q in self.quantizers}
+
+    def options(self, block: int, g: str, kinds: dict[str, int]) -> list[Option]:
+        if any(k not in kinds for k in GROUPS[g]):
+            return []
+        idx = tuple(kinds[k] for k in GROUPS[g])
+        members = [self.layers[i] for i in idx]
+        if len({m.in_features for m in members}) != 1:
+            return []  # not one concatenated matmul
+        cand = self._candidates(g, members)
+        if self.prune and cand:
+            key = (g, tuple((m.out_features, m.in_features) for m in members))
+            if key not in self._drop:
+                self._drop[key] = _dominated(cand, self.err, self.cb_bytes, self.active, self.use_latency)
+            self.pruned += sum(1 for c in cand if c[0].name in self._drop[key])
+            cand = [c for c in cand if c[0].name not in self._drop[key]]
+        a_sum = sum(self.a[i] for i in idx)
+        return [Option(block, g, idx, q.name, a_sum * self.err[q.name], qb, nbytes, lat, q.codebooks)
+                for q, nbytes, qb, lat in cand]
+
+    def _candidates(self, g: str, members: list[LayerShape]) -> list[tuple[Quantizer, int, int, float | None]]:
+        """(quantizer, stored bytes, quarter-bits, latency) of every entry that fits the group."""
+        out = []
+        for q in self.quantizers:
+            sizes = [self.stored_bytes(m, q) for m in members]
+            if any(s is None for s in sizes):
                 continue
-            idx = tuple(kinds[k] for k in GROUPS[g])
-            members = [layers[i] for i in idx]
-            if len({m.in_features for m in members}) != 1:
-                continue  # not one concatenated matmul
-            cand = []
-            for q in quantizers:
-                sizes = [stored(m, q) for m in members]
-                if any(s is None for s in sizes):
+            lat = None
+            if self.latency is not None:
+                lat = self.latency.groups.get(g, {}).get(q.name)
+                if self.use_latency and lat is None:
                     continue
-                lat = None
-                if latency is not None:
-                    lat = latency.groups.get(g, {}).get(q.name)
-                    if use_latency and lat is None:
-                        continue
-                qb = sum(m.numel for m in members) * quarter[q.name]
-                cand.append((q, sum(sizes), qb, lat))
-            if prune and cand:
-                key = (g, tuple((m.out_features, m.in_features) for m in members))
-                if key not in prune_cache:
-                    prune_cache[key] = _dominated(cand, err, cb_bytes, active, use_latency)
-                drop = prune_cache[key]
-                pruned += sum(1 for c in cand if c[0].name in drop)
-                cand = [c for c in cand if c[0].name not in drop]
-            for q, nbytes, qb, lat in cand:
-                loss = sum(a[i] for i in idx) * err[q.name]
-                options.append(Option(b, g, idx, q.name, loss, qb, nbytes, lat, q.codebooks))
+            qb = sum(m.numel for m in members) * self._quarter[q.name]
+            out.append((q, sum(sizes), qb, lat))
+        return out
 
+    def stored_bytes(self, l: LayerShape, q: Quantizer) -> int | None:
+        key = (l.out_features, l.in_features, q.name)
+        if key not in self._stored:
+            try:
+                self._stored[key] = q.stored_bytes(l.out_features, l.in_features)
+            except UnsupportedShape:
+                self._stored[key] = None
+        return self._stored[key]
+
+
+def _check_covered(layers: list[LayerShape], options: list[Option], use_latency: bool) -> None:
     covered = {i for o in options for i in o.layers}
     uncovered = [layers[i] for i in range(len(layers)) if i not in covered]
     if uncovered:
@@ -225,13 +265,6 @@ def build_problem(
             f"layer {l.name} ({l.out_features}×{l.in_features}): {why}"
             + (f" (and {len(uncovered) - 1} more layers)" if len(uncovered) > 1 else "")
         )
-    sign = sign_vector_bytes(layers)
-    unq = None if unquantized_params is None else unquantized_params * UNQUANTIZED_BYTES_PER_PARAM
-    fixed = None if unq is None else sign + unq
-    return Problem(
-        layers, list(a), qs, dict(err), options, cb_bytes, fixed, sign, unq, latency,
-        use_latency and fuse, pruned, notes,
-    )
 
 
 def _dominated(cand, err, cb_bytes, active, use_latency) -> set[str]:
@@ -582,42 +615,7 @@ def gap_decomposition(a: list[float], n: list[int], bits: list[float], err: list
     }
 
 
-def exhaustive(problem: Problem, budgets: list[Budget]) -> tuple[float, list[Option]] | None:
-    """Brute-force optimum (tests, tiny instances): every per-layer cover by options."""
-    caps = _caps(problem, budgets)
-    by_block: dict[int, list[Option]] = {}
-    for o in problem.options:
-        by_block.setdefault(o.block, []).append(o)
-    covers = []
-    for b, opts in sorted(by_block.items()):
-        need = {i for o in opts for i in o.layers}
-        block_covers = []
-
-        def extend(picked: list[Option], left: set[int]):
-            if not left:
-                block_covers.append(list(picked))
-                return
-            first = min(left)
-            for o in opts:
-                if first in o.layers and set(o.layers) <= left:
-                    extend(picked + [o], left - set(o.layers))
-
-        extend([], need)
-        covers.append(block_covers)
-    best = None
-    for combo in product(*covers):
-        chosen = [o for c in combo for o in c]
-        use = usage(problem, chosen)
-        if any(use[r] > caps[r] + (1e-15 if r == "latency" else 0) for r in caps):
-            continue
-        loss = math.fsum(o.loss for o in chosen)
-        if best is None or loss < best[0] - 1e-15:
-            best = (loss, chosen)
-    return best
-
-
 __all__ = [
-    "Fraction", "InfeasibleBudget", "KINDS", "Option", "PlanError", "Problem", "Solution",
-    "build_problem", "choose_groups", "exhaustive", "gap_decomposition", "ideal_allocation",
-    "solve", "usage",
+    "Option", "Problem", "Solution", "build_problem", "check_latency_profile", "choose_groups",
+    "gap_decomposition", "ideal_allocation", "minimum_resource", "solve", "usage",
 ]

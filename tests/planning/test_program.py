@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
 import pytest
+from helpers import block_covers, exhaustive
 
 from qpalette.errors import InfeasibleBudget
 from qpalette.models.topology import (
@@ -16,12 +18,12 @@ from qpalette.models.topology import (
     sign_vector_bytes,
     unquantized_params,
 )
-from qpalette.plan.budget import Budget, parse_budgets
-from qpalette.plan.document import make_plan
-from qpalette.plan.inputs import LatencyProfile
-from qpalette.plan.program import build_problem, exhaustive, gap_decomposition, ideal_allocation, solve, usage
+from qpalette.planning.budget import Budget, parse_budgets
+from qpalette.planning.document import make_plan
+from qpalette.planning.inputs import LatencyProfile
+from qpalette.planning.program import build_problem, gap_decomposition, ideal_allocation, solve, usage
 from qpalette.quant.codebooks import codebook
-from qpalette.quant.distortion import shipped_table
+from qpalette.quant.distortion import DistortionTable
 from qpalette.quant.palette import get_quantizer
 
 TINY = {
@@ -29,7 +31,7 @@ TINY = {
     "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 1, "vocab_size": 100,
     "tie_word_embeddings": False,
 }
-ERR = {k: v.nmse for k, v in shipped_table().items()}
+ERR = {k: v.nmse for k, v in DistortionTable.load().rows.items()}
 
 
 def tiny_layers(blocks=1, **over):
@@ -61,36 +63,9 @@ def budget_between(lo, hi, frac, kind):
     return Budget("latency", v, f"{v * 1e3:.9f}ms")
 
 
-def check_against_brute_force(layers, qs, budgets_kinds, seed, latency=None, fuse=True):
-    rng = random.Random(seed)
-    a = [rng.lognormvariate(-3, 2) for _ in layers]
-    speed = "latency" in budgets_kinds
-    kw = dict(latency=latency, use_latency=speed, fuse=fuse, unquantized_params=1000,
-              active=tuple(budgets_kinds))
-    full = build_problem(layers, a, qs, ERR, prune=False, **kw)
-    pruned = build_problem(layers, a, qs, ERR, **kw)
-    # budgets at random points between each resource's min and max over all covers
-    import itertools
-
-    by_block = {}
-    for o in full.options:
-        by_block.setdefault(o.block, []).append(o)
-    plans = []
-    for b, opts in by_block.items():
-        covers = []
-
-        def ext(p, left):
-            if not left:
-                covers.append(p)
-                return
-            f = min(left)
-            for o in opts:
-                if f in o.layers and set(o.layers) <= left:
-                    ext(p + [o], left - set(o.layers))
-
-        ext([], {i for o in opts for i in o.layers})
-        plans.append(covers)
-    uses = [usage(full, [o for c in combo for o in c]) for combo in itertools.product(*plans)]
+def random_budgets(full, budgets_kinds, rng, latency=None):
+    """Budgets at random points between each resource's min and max over all covers."""
+    uses = [usage(full, [o for c in combo for o in c]) for combo in itertools.product(*block_covers(full))]
     budgets = []
     for k in budgets_kinds:
         vals = [u[k] for u in uses]
@@ -102,16 +77,11 @@ def check_against_brute_force(layers, qs, budgets_kinds, seed, latency=None, fus
         else:
             lo, hi = lo + latency.constant_s, hi + latency.constant_s
         budgets.append(budget_between(lo, hi, rng.uniform(0.05, 0.6), k))
-    best = exhaustive(full, budgets)
-    if best is None:
-        with pytest.raises(InfeasibleBudget):
-            solve(pruned, budgets)
-        return None
-    sol = solve(pruned, budgets)
-    assert sol.status == "optimal"
-    assert sol.objective == pytest.approx(best[0], rel=1e-9, abs=1e-15)
-    # budgets hold exactly, counted independently of the solver's bookkeeping
-    chosen = sol.chosen
+    return budgets
+
+
+def assert_budgets_hold(layers, chosen, budgets, latency=None):
+    """Budgets hold exactly, counted independently of the solver's bookkeeping."""
     assign = {i: o.quantizer for o in chosen for i in o.layers}
     assert sorted(assign) == list(range(len(layers)))
     for bgt in budgets:
@@ -128,8 +98,28 @@ def check_against_brute_force(layers, qs, budgets_kinds, seed, latency=None, fus
         else:
             lat = math.fsum(latency.groups[o.group][o.quantizer] for o in chosen)
             assert lat + latency.constant_s <= bgt.value * (1 + 1e-12)
+
+
+def check_against_brute_force(layers, qs, budgets_kinds, seed, latency=None, fuse=True):
+    rng = random.Random(seed)
+    a = [rng.lognormvariate(-3, 2) for _ in layers]
+    speed = "latency" in budgets_kinds
+    kw = dict(latency=latency, use_latency=speed, fuse=fuse, unquantized_params=1000,
+              active=tuple(budgets_kinds))
+    full = build_problem(layers, a, qs, ERR, prune=False, **kw)
+    pruned = build_problem(layers, a, qs, ERR, **kw)
+    budgets = random_budgets(full, budgets_kinds, rng, latency)
+    best = exhaustive(full, budgets)
+    if best is None:
+        with pytest.raises(InfeasibleBudget):
+            solve(pruned, budgets)
+        return None
+    sol = solve(pruned, budgets)
+    assert sol.status == "optimal"
+    assert sol.objective == pytest.approx(best[0], rel=1e-9, abs=1e-15)
+    assert_budgets_hold(layers, sol.chosen, budgets, latency)
     # fused groups carry one quantizer for all their layers
-    for o in chosen:
+    for o in sol.chosen:
         assert len(o.layers) == len(GROUPS[o.group])
     return sol
 
@@ -173,12 +163,12 @@ def test_fusion_is_used_when_it_pays_and_groups_share_a_quantizer():
     sol = solve(problem, budgets)
     plan = make_plan(problem, sol, budgets, fuse=True, model={}, inputs={}, options={})
     seen = []
-    for blk in plan["blocks"]:
-        for g in blk["groups"]:
-            assert {plan["layers"][n]["quantizer"] for n in g["layers"]} == {g["quantizer"]}
-            seen += g["layers"]
-    assert sorted(seen) == sorted(plan["layers"])  # every layer in exactly one group
-    assert any(len(g["layers"]) > 1 for blk in plan["blocks"] for g in blk["groups"])
+    for blk in plan.blocks:
+        for g in blk.groups:
+            assert {plan.layers[n].quantizer for n in g.layers} == {g.quantizer}
+            seen += g.layers
+    assert sorted(seen) == sorted(plan.layers)  # every layer in exactly one group
+    assert any(len(g.layers) > 1 for blk in plan.blocks for g in blk.groups)
 
 
 def test_unsupported_shapes_are_excluded():
@@ -261,14 +251,14 @@ def test_memory_plan_groups_are_valid(with_profile, fuse):
     sol = solve(problem, budgets)
     plan = make_plan(problem, sol, budgets, fuse=fuse, model={}, inputs={}, options={})
     covered = []
-    for blk in plan["blocks"]:
-        for g in blk["groups"]:
-            assert {plan["layers"][n]["quantizer"] for n in g["layers"]} == {g["quantizer"]}
-            assert fuse or len(g["layers"]) == 1
-            covered += g["layers"]
+    for blk in plan.blocks:
+        for g in blk.groups:
+            assert {plan.layers[n].quantizer for n in g.layers} == {g.quantizer}
+            assert fuse or len(g.layers) == 1
+            covered += g.layers
         if fuse and not with_profile:  # largest same-quantizer groups
-            kinds = {plan["layers"][n]["kind"]: plan["layers"][n]["quantizer"] for g in blk["groups"] for n in g["layers"]}
+            kinds = {plan.layers[n].kind: plan.layers[n].quantizer for g in blk.groups for n in g.layers}
             if kinds["gate"] == kinds["up"]:
-                assert any(g["group"] == "gateup" for g in blk["groups"])
-    assert sorted(covered) == sorted(plan["layers"])
-    assert (plan["totals"]["latency_s"] is not None) == with_profile
+                assert any(g.group == "gateup" for g in blk.groups)
+    assert sorted(covered) == sorted(plan.layers)
+    assert (plan.totals["latency_s"] is not None) == with_profile

@@ -33,15 +33,18 @@ class Budget:
     value: float  # bits per weight | bytes | seconds per decode step
     text: str
 
-    def describe(self) -> str:
-        if self.kind == "bits":
-            return f"≤ {self.value:g} bits per weight (average)"
-        if self.kind == "bytes":
-            return f"≤ {self.value:,.0f} bytes ({self.value / 1e9:.4g} GB)"
-        return f"≤ {self.value * 1e3:.4g} ms per token (≥ {1 / self.value:.4g} tok/s)"
-
-    def to_json(self) -> dict:
+    def to_dict(self) -> dict:
         return {"kind": self.kind, "value": self.value, "text": self.text}
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "budget") -> "Budget":
+        """A budget as stored in a plan file ({kind, value, text})."""
+        if not isinstance(d, dict) or d.get("kind") not in ("bits", "bytes", "latency"):
+            raise BudgetError(f"{where}: {d!r} is not a budget {{kind: bits|bytes|latency, value, text}}")
+        value, text = d.get("value"), d.get("text")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not isinstance(text, str):
+            raise BudgetError(f"{where}: {d!r} needs a numeric value and a text")
+        return cls(d["kind"], value, text)
 
     @property
     def bits_fraction(self) -> Fraction:

@@ -8,25 +8,17 @@ import random
 
 import pytest
 import torch
+from helpers import spearman
 from shared_data import shared_dir
 from typer.testing import CliRunner
 
-import qpalette.calibrate.sensitivity as cal
-from qpalette.calibrate.sensitivity import (
-    BlockEvaluator,
-    CalibrateOptions,
-    Settings,
-    calibrate,
-    fit_through_origin,
-    linear_layers,
-    noise_direction,
-    noise_levels,
-    run_layers,
-    spearman,
-)
+import qpalette.calibration.noise as cal
+from qpalette.calibration.evaluator import BlockEvaluator, linear_layers
+from qpalette.calibration.noise import Settings, fit_through_origin, noise_direction, noise_levels, run_layers
+from qpalette.calibration.sensitivity import CalibrateOptions, calibrate, parse_devices
 from qpalette.cli import app
-from qpalette.errors import CalibrationError
-from qpalette.models.sources import load_model
+from qpalette.errors import CalibrationError, InputError
+from qpalette.runtime.loading import load_model
 
 WIKITEXT = shared_dir() / "data" / "wikitext2_raw_test.txt"
 
@@ -54,6 +46,14 @@ def test_spearman():
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
     assert spearman([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)
+
+
+def test_parse_devices():
+    assert parse_devices("cpu") == ["cpu"] and parse_devices("cpu, cpu") == ["cpu", "cpu"]
+    if not torch.cuda.is_available():
+        assert parse_devices("auto") == ["cpu"]
+    with pytest.raises(InputError, match="bad --device"):
+        parse_devices("tpu")
 
 
 # --------------------------------------------------------------------------- the engine
@@ -204,7 +204,7 @@ def test_data_aware_text_file(tiny_llama_dir, tmp_path):
 def test_text_shorter_than_a_window_is_a_clear_error(tiny_llama_dir, tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("tiny")
-    with pytest.raises(CalibrationError, match="fewer than one window"):
+    with pytest.raises(InputError, match="fewer than one window"):
         calibrate(_opts(tiny_llama_dir, tmp_path / "s.json", text_file=str(short)), log=lambda m: None)
 
 

@@ -1,7 +1,7 @@
 """`qpalette plan`: load the inputs, check they agree, build and solve the program, make the plan.
 
-Everything a user can get wrong raises a `UserError` subclass with a message naming what is
-wrong; the CLI prints it without a traceback.
+Everything a user can get wrong raises a `QpaletteError` subclass (qpalette/errors.py) with a
+message naming what is wrong; the CLI prints it without a traceback.
 """
 
 from __future__ import annotations
@@ -13,22 +13,20 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from qpalette.errors import BudgetError, InputError, ModelError, PlanError, UnknownQuantizer
+from qpalette.errors import InputError, ModelError
 from qpalette.models.topology import dims, layers_from_shapes, linear_layers, load_config, unquantized_params
-from qpalette.plan.budget import Budget, parse_budgets
-from qpalette.plan.document import make_plan
-from qpalette.plan.inputs import (
+from qpalette.planning.budget import Budget, parse_budgets
+from qpalette.planning.document import Plan, make_plan
+from qpalette.planning.inputs import (
+    LatencyProfile,
+    Sensitivity,
     find_shipped_profile,
-    load_distortion,
-    load_latency,
-    load_sensitivity,
     sha256_file,
     shipped_latency_profiles,
 )
-from qpalette.plan.program import build_problem, check_latency_profile, solve
+from qpalette.planning.program import build_problem, check_latency_profile, solve
+from qpalette.quant.distortion import DistortionTable
 from qpalette.quant.palette import FAMILIES, get_quantizer, palette_entries
-
-USER_ERRORS = (ModelError, BudgetError, InputError, PlanError, InputError, UnknownQuantizer)
 
 
 def parse_palette(specs: list[str] | None) -> tuple[list, bool]:
@@ -165,25 +163,58 @@ def plan(
     batch_size: int | None = None,
     time_limit_s: float = 60.0,
     command: str | None = None,
-) -> dict:
+) -> Plan:
+    """`qpalette plan`: load and cross-check the inputs, solve (docs/method.md §5), make the Plan."""
     t0 = time.time()
     budgets: list[Budget] = parse_budgets(budget_texts)
-    if sensitivity is None:
+    sens = _load_sensitivity(sensitivity)
+    mi = resolve_model(model, sens)
+    a = match_sensitivity(mi.layers, sens)
+    dist = DistortionTable.load(distortion)
+    entries, explicit = parse_palette(palette)
+    notes = list(sens.warnings) + mi.info.pop("notes", [])
+    speed = any(b.kind == "latency" for b in budgets)
+    prof = _latency_profile(latency_profile, speed, mi.layers, batch_size, notes)
+    entries = _entries_with_latency(entries, explicit, prof, speed, batch_size, notes)
+    entries = _entries_with_distortion(entries, explicit, dist, notes)
+    problem = build_problem(
+        mi.layers, a, entries, {q.name: dist.rows[q.name].nmse for q in entries},
+        latency=prof, use_latency=speed, fuse=fuse, unquantized_params=mi.unquantized,
+        active=tuple(b.kind for b in budgets),
+    )
+    solution = solve(problem, budgets, time_limit_s)
+    result = make_plan(
+        problem, solution, budgets, fuse=fuse,
+        model={k: v for k, v in mi.info.items() if k != "config_sha256"},
+        inputs=_provenance(sens, dist, prof, mi, command),
+        options={
+            "palette": [q.name for q in entries],
+            "fuse": fuse,
+            "batch_size": prof.batch_size if prof else batch_size,
+            "time_limit_s": time_limit_s,
+        },
+        notes=notes,
+    )
+    result.provenance["wall_time_s"] = time.time() - t0
+    return result
+
+
+def _load_sensitivity(path: str | None) -> Sensitivity:
+    if path is None:
         raise InputError(
             "plan needs sensitivity coefficients: run `qpalette calibrate MODEL -o sens.json` "
             "and pass --sensitivity sens.json"
         )
-    sens = load_sensitivity(sensitivity)
-    mi = resolve_model(model, sens)
-    a = match_sensitivity(mi.layers, sens)
-    dist = load_distortion(distortion)
-    entries, explicit = parse_palette(palette)
-    notes = list(sens.warnings) + mi.info.pop("notes", [])
+    return Sensitivity.load(path)
 
-    speed = any(b.kind == "latency" for b in budgets)
-    prof = load_latency(latency_profile) if latency_profile else None
+
+def _latency_profile(path: str | None, speed: bool, layers, batch_size: int | None,
+                     notes: list[str]) -> LatencyProfile | None:
+    """The profile given; for a speed budget without one, a shipped profile matching the model's
+    shapes (noted). The profile's batch size must be the one asked for."""
+    prof = LatencyProfile.load(path) if path else None
     if speed and prof is None:
-        prof = find_shipped_profile(mi.layers, batch_size, check_latency_profile)
+        prof = find_shipped_profile(layers, batch_size, check_latency_profile)
         if prof is None:
             shipped = ", ".join(p.name for p in shipped_latency_profiles()) or "none"
             raise InputError(
@@ -193,42 +224,49 @@ def plan(
             )
         notes.append(f"latency profile: the shipped {Path(prof.path).name} ({prof.device}), "
                      "chosen because its shapes match; pass --latency-profile to use your own GPU's")
-    if prof is not None:
-        if batch_size is not None and batch_size != prof.batch_size:
-            raise InputError(
-                f"latency profile {prof.path} was measured at batch size {prof.batch_size}, "
-                f"not {batch_size}; measure or pick a profile for batch {batch_size}"
-            )
-        have = prof.quantizers()
-        absent = [q.name for q in entries if q.name not in have]
-        if absent and speed:
-            if explicit:
-                raise InputError(
-                    f"latency profile {prof.path} has no latencies for {', '.join(absent)}"
-                )
-            entries = [q for q in entries if q.name in have]
-            notes.append(
-                f"palette entries without latencies in the profile left out: {', '.join(absent)}"
-            )
-    missing_err = [q.name for q in entries if q.name not in dist.rows]
-    if missing_err:
+    if prof is not None and batch_size is not None and batch_size != prof.batch_size:
+        raise InputError(
+            f"latency profile {prof.path} was measured at batch size {prof.batch_size}, "
+            f"not {batch_size}; measure or pick a profile for batch {batch_size}"
+        )
+    return prof
+
+
+def _entries_with_latency(entries: list, explicit: bool, prof: LatencyProfile | None, speed: bool,
+                          batch_size: int | None, notes: list[str]) -> list:
+    """Under a speed budget, the entries the profile times (an explicit --palette must all be)."""
+    if prof is None or not speed:
+        return entries
+    have = prof.quantizers()
+    absent = [q.name for q in entries if q.name not in have]
+    if not absent:
+        return entries
+    if explicit:
+        raise InputError(f"latency profile {prof.path} has no latencies for {', '.join(absent)}")
+    notes.append(f"palette entries without latencies in the profile left out: {', '.join(absent)}")
+    return [q for q in entries if q.name in have]
+
+
+def _entries_with_distortion(entries: list, explicit: bool, dist: DistortionTable, notes: list[str]) -> list:
+    """The entries the distortion table has an err(q) for (an explicit --palette must all have)."""
+    missing = [q.name for q in entries if q.name not in dist.rows]
+    if missing:
         if explicit:
-            raise InputError(f"distortion table {dist.path} has no entry for {', '.join(missing_err)}")
+            raise InputError(f"distortion table {dist.path} has no entry for {', '.join(missing)}")
         entries = [q for q in entries if q.name in dist.rows]
-        notes.append(f"palette entries not in the distortion table left out: {', '.join(missing_err)}")
+        notes.append(f"palette entries not in the distortion table left out: {', '.join(missing)}")
     if not entries:
         raise InputError("no palette entry is left to plan with")
-    problem = build_problem(
-        mi.layers, a, entries, {q.name: dist.rows[q.name].nmse for q in entries},
-        latency=prof, use_latency=speed, fuse=fuse, unquantized_params=mi.unquantized,
-        active=tuple(b.kind for b in budgets),
-    )
-    solution = solve(problem, budgets, time_limit_s)
+    return entries
 
+
+def _provenance(sens: Sensitivity, dist: DistortionTable, prof: LatencyProfile | None, mi: ModelInfo,
+                command: str | None) -> dict:
+    """Where the plan's inputs came from (paths and sha256), versions, time and command line."""
     def inp(path, sha):
         return {"path": str(path), "sha256": sha}
 
-    inputs = {
+    return {
         "sensitivity": inp(sens.path, sens.sha256) | {
             "model": sens.model, "protocol": sens.meta.get("protocol"), "tokens": sens.meta.get("tokens")},
         "distortion": inp(dist.path, dist.sha256),
@@ -241,20 +279,6 @@ def plan(
         "wall_time_s": None,
         "command": command or " ".join(sys.argv),
     }
-    result = make_plan(
-        problem, solution, budgets, fuse=fuse,
-        model={k: v for k, v in mi.info.items() if k != "config_sha256"},
-        inputs=inputs,
-        options={
-            "palette": [q.name for q in entries],
-            "fuse": fuse,
-            "batch_size": prof.batch_size if prof else batch_size,
-            "time_limit_s": time_limit_s,
-        },
-        notes=notes,
-    )
-    result["provenance"]["wall_time_s"] = time.time() - t0
-    return result
 
 
 def _version() -> str:

@@ -12,9 +12,10 @@ from typer.testing import CliRunner
 from qpalette.cli import app
 from qpalette.errors import BudgetError, InputError
 from qpalette.models.topology import linear_layers, load_config, unquantized_params
-from qpalette.plan.budget import parse_budgets
-from qpalette.plan.inputs import load_latency
-from qpalette.plan.planner import plan
+from qpalette.planning.budget import parse_budgets
+from qpalette.planning.document import PLAN_FORMAT, Plan
+from qpalette.planning.inputs import LatencyProfile, Sensitivity
+from qpalette.planning.planner import plan
 
 REF = Path(__file__).resolve().parents[2] / "profiles" / "reference"
 MODEL = str(REF / "llama31_8b")
@@ -45,7 +46,7 @@ def test_llama31_8b_shapes_and_parameter_count():
 
 
 def test_reference_tables_imported():
-    prof = load_latency(LAT)
+    prof = LatencyProfile.load(LAT)
     assert prof.batch_size == 1 and set(prof.groups) >= {"qkv", "gateup", "down"}
     assert "tcq-1.0" not in prof.quantizers() and "half-tcq-3.25" in prof.quantizers()
     sens = json.loads(Path(SENS).read_text())
@@ -59,11 +60,11 @@ def test_reference_plans_fusion_beats_paper_claims():
     unfused = plan(MODEL, ["190tok/s"], sensitivity=SENS, latency_profile=LAT, distortion=dist,
                    fuse=False)
     for p, speed in ((fused, 200), (unfused, 190)):
-        assert p["solver"]["status"] == "optimal"
-        assert p["totals"]["tok_per_s"] >= speed * (1 - 1e-12)
-    assert fused["totals"]["predicted_loss"] < unfused["totals"]["predicted_loss"]
-    assert all(len(g["layers"]) == 1 for b in unfused["blocks"] for g in b["groups"])
-    assert any(g["group"] in ("qkv", "gateup") for b in fused["blocks"] for g in b["groups"])
+        assert p.solver["status"] == "optimal"
+        assert p.totals["tok_per_s"] >= speed * (1 - 1e-12)
+    assert fused.totals["predicted_loss"] < unfused.totals["predicted_loss"]
+    assert all(len(g.layers) == 1 for b in unfused.blocks for g in b.groups)
+    assert any(g.group in ("qkv", "gateup") for b in fused.blocks for g in b.groups)
 
 
 def test_cli_memory_plan_writes_json_png_and_show(tmp_path):
@@ -142,7 +143,7 @@ def test_mismatched_latency_profile_names_the_group(tmp_path):
 
 def test_model_implied_by_sensitivity_file():
     p = plan(None, ["3bits"], sensitivity=SENS)
-    assert p["totals"]["bytes"]["total"] is None and len(p["layers"]) == 224
+    assert p.totals["bytes"]["total"] is None and len(p.layers) == 224
     with pytest.raises(Exception, match="config.json"):
         plan(None, ["3GB"], sensitivity=SENS)
 
@@ -150,7 +151,7 @@ def test_model_implied_by_sensitivity_file():
 def test_model_directory_with_config(tmp_path):
     shutil.copy(Path(MODEL) / "config.json", tmp_path / "config.json")
     p = plan(str(tmp_path), ["3.0bits", "4.6GB"], sensitivity=SENS)
-    assert p["totals"]["avg_bits"] <= 3.0 and p["totals"]["bytes"]["total"] <= 4.6e9
+    assert p.totals["avg_bits"] <= 3.0 and p.totals["bytes"]["total"] <= 4.6e9
 
 
 SMOLLM2_135M = {
@@ -172,9 +173,9 @@ def test_smollm2_135m_config_plan(tmp_path):
                                                 "shape": [l.out_features, l.in_features]} for l in layers}}
     (tmp_path / "s.json").write_text(json.dumps(sens))
     p = plan(str(tmp_path), ["3.25bits", "100MB"], sensitivity=str(tmp_path / "s.json"))
-    assert p["solver"]["status"] == "optimal"
-    assert p["totals"]["avg_bits"] <= 3.25 and p["totals"]["bytes"]["total"] <= 100e6
-    assert p["totals"]["bytes"]["unquantized_modules"] == 2 * (49152 * 576 + 61 * 576)
+    assert p.solver["status"] == "optimal"
+    assert p.totals["avg_bits"] <= 3.25 and p.totals["bytes"]["total"] <= 100e6
+    assert p.totals["bytes"]["unquantized_modules"] == 2 * (49152 * 576 + 61 * 576)
 
 
 def load_config_from(d, cfg):
@@ -187,10 +188,10 @@ def test_speed_budget_without_profile_uses_a_matching_shipped_one(tmp_path):
     sens = str(Path(__file__).resolve().parents[2] / "results" / "calibrate_smollm2" / "sens_gpu_8k_seed0.json")
     for bs in (None, 8):
         p = plan(None, ["150tok/s"], sensitivity=sens, batch_size=bs)
-        src = p["provenance"]["latency_profile"]
+        src = p.provenance["latency_profile"]
         assert src["path"].endswith(f"h100_latency_smollm2-135m_b{bs or 1}.json")
-        assert any("shipped" in n for n in p["notes"])
-        assert p["totals"]["tok_per_s"] >= 150 * (1 - 1e-6)
+        assert any("shipped" in n for n in p.notes)
+        assert p.totals["tok_per_s"] >= 150 * (1 - 1e-6)
 
 
 def test_speed_budget_without_any_matching_profile_says_how_to_get_one(tiny_llama_dir, tmp_path):
@@ -199,3 +200,50 @@ def test_speed_budget_without_any_matching_profile_says_how_to_get_one(tiny_llam
     sens = fake_sensitivity(tiny_llama_dir, tmp_path / "s.json")
     with pytest.raises(InputError, match="qpalette profile"):
         plan(str(tiny_llama_dir), ["200tok/s"], sensitivity=str(sens))
+
+
+RESULTS = Path(__file__).resolve().parents[2] / "results"
+
+
+@pytest.mark.parametrize("path", sorted(RESULTS.glob("**/plan*.json")), ids=lambda p: p.name)
+def test_plan_files_round_trip(path, tmp_path):
+    """Plan.load reads every results/ plan; to_dict is the file's JSON; save writes its bytes."""
+    p = Plan.load(path)
+    assert p.to_dict() == json.loads(path.read_text())
+    p.save(tmp_path / "p.json")
+    assert (tmp_path / "p.json").read_text() == path.read_text()
+
+
+def test_plan_with_wrong_format_or_fields_is_refused(tmp_path):
+    path = next(RESULTS.glob("**/plan*.json"))
+    doc = json.loads(path.read_text())
+    for fmt in ("qpalette.plan/2", None):
+        with pytest.raises(InputError, match="format is .* expected 'qpalette.plan/1'"):
+            Plan.from_dict(doc | {"format": fmt})
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(doc | {"format": "qpalette.sensitivity/1"}))
+    with pytest.raises(InputError, match="bad.json: format is 'qpalette.sensitivity/1'"):
+        Plan.load(bad)
+    name = next(iter(doc["layers"]))
+    del doc["layers"][name]["bits"]
+    with pytest.raises(InputError, match=f"layer {name}: missing 'bits'"):
+        Plan.from_dict(doc)
+    assert PLAN_FORMAT == "qpalette.plan/1"
+
+
+def test_input_documents_round_trip_and_check_format():
+    prof = LatencyProfile.load(LAT)
+    assert LatencyProfile.from_dict(prof.to_dict()).to_dict() == json.loads(Path(LAT).read_text())
+    sens = Sensitivity.load(SENS)
+    assert sens.to_dict() == json.loads(Path(SENS).read_text())
+    with pytest.raises(InputError, match="expected 'qpalette.latency/1'"):
+        LatencyProfile.from_dict(sens.to_dict())
+    with pytest.raises(InputError, match="expected 'qpalette.sensitivity/1'"):
+        Sensitivity.from_dict(prof.to_dict())
+
+
+def test_planner_returns_a_plan_that_round_trips(tmp_path):
+    p = plan(MODEL, ["3bits"], sensitivity=SENS)
+    assert isinstance(p, Plan)
+    p.save(tmp_path / "p.json")
+    assert Plan.load(tmp_path / "p.json") == p

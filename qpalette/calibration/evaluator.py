@@ -1,0 +1,139 @@
+"""The block-input cache: mean KL of a perturbed model from the original, running only the
+decoder blocks from the perturbed one onward (docs/method.md §4).
+
+`BlockEvaluator.prepare()` captures every chunk's input of block 0 (and the keyword arguments the
+blocks get: masks, rotary embeddings) and runs the unperturbed model once for the reference
+log-probs (kept, or the final hidden states when the log-probs do not fit `cache_ref_bytes`).
+`advance_to(j)` moves the cached inputs forward, unperturbed, to the input of block j; `mean_kl()`
+then runs blocks j.. of the current (perturbed) model only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from qpalette.errors import CalibrationError
+
+
+def decoder_blocks(model):
+    """model.model.layers of a decoder-only LM (Llama/Mistral/Qwen-style)."""
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if layers is None or getattr(model, "lm_head", None) is None or getattr(base, "norm", None) is None:
+        raise CalibrationError(
+            f"{type(model).__name__}: expected a decoder-only LM with model.layers, model.norm and "
+            "lm_head (Llama/Mistral/Qwen-style)"
+        )
+    return layers
+
+
+def linear_layers(model) -> list[tuple[str, torch.nn.Linear, int]]:
+    """(full name, module, block index) of every nn.Linear inside the decoder blocks, in order."""
+    out = []
+    for j, block in enumerate(decoder_blocks(model)):
+        for name, mod in block.named_modules():
+            if isinstance(mod, torch.nn.Linear):
+                out.append((f"model.layers.{j}.{name}", mod, j))
+    return out
+
+
+def ref_cache_budget(device: torch.device) -> int:
+    """Bytes the reference log-probs may take: 35% of the free GPU memory, 1 GiB on the CPU."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free * 0.35)
+    return 1 << 30
+
+
+class _Stop(Exception):
+    """Raised by the capture hook to stop the forward pass at block 0."""
+
+
+def _block_output(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+class BlockEvaluator:
+    """Mean KL(p_ref ‖ p_perturbed) over a fixed token set, running only blocks j.. onward."""
+
+    def __init__(self, model, tokens: torch.Tensor, batch_size: int, device, cache_ref_bytes: int):
+        self.model = model
+        self.blocks = decoder_blocks(model)
+        self.norm = model.model.norm
+        self.head = model.lm_head
+        self.device = torch.device(device)
+        self.chunks = [tokens[i: i + batch_size] for i in range(0, tokens.shape[0], batch_size)]
+        self.n_tokens = tokens.numel()
+        self.kwargs = {}  # block keyword arguments, by chunk size
+        self.hidden = []  # input of block `self.block` for each chunk
+        self.block = 0
+        self.final = []  # unperturbed final hidden states, when the reference log-probs do not fit
+        self.ref_lp = None
+        self._cache_ref_bytes = cache_ref_bytes
+
+    @torch.no_grad()
+    def prepare(self) -> None:
+        """Embeddings + per-shape block kwargs, then one unperturbed pass for the references."""
+        for chunk in self.chunks:
+            h, kw = self._capture(chunk.to(self.device))
+            self.hidden.append(h)
+            self.kwargs.setdefault(chunk.shape[0], kw)
+        self.final = [self._run_blocks(0, h) for h in self.hidden]
+        if self.n_tokens * self.head.out_features * 4 <= self._cache_ref_bytes:
+            self.ref_lp = [self._logprobs(h) for h in self.final]
+            self.final = None
+
+    def _capture(self, ids):
+        """(input of block 0, its keyword arguments without the KV cache) for one chunk."""
+        box = {}
+
+        def hook(_mod, args, kwargs):
+            box["h"] = args[0] if args else kwargs.pop("hidden_states")
+            box["kw"] = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+            raise _Stop
+
+        handle = self.blocks[0].register_forward_pre_hook(hook, with_kwargs=True)
+        try:
+            self.model.model(input_ids=ids, use_cache=False)
+        except _Stop:
+            pass
+        finally:
+            handle.remove()
+        kw = box["kw"]
+        kw.pop("past_key_values", None)
+        kw["use_cache"] = False
+        return box["h"], kw
+
+    def _run_blocks(self, start: int, h):
+        kw = self.kwargs[h.shape[0]]
+        for blk in self.blocks[start:]:
+            h = _block_output(blk(h, **kw))
+        return h
+
+    def _logprobs(self, h):
+        logits = self.head(self.norm(h))
+        if logits.dtype not in (torch.float32, torch.float64):
+            logits = logits.float()
+        return F.log_softmax(logits, dim=-1)
+
+    @torch.no_grad()
+    def advance_to(self, block: int) -> None:
+        """Move the cached block inputs forward (unperturbed) to the input of `block`."""
+        if block < self.block:
+            raise ValueError("the block cache only moves forward")
+        while self.block < block:
+            j = self.block
+            self.hidden = [_block_output(self.blocks[j](h, **self.kwargs[h.shape[0]])) for h in self.hidden]
+            self.block += 1
+
+    @torch.no_grad()
+    def mean_kl(self) -> float:
+        """Mean per-token KL of the current model (perturbed in block ≥ self.block) from the reference."""
+        total = 0.0
+        for i, h in enumerate(self.hidden):
+            lp = self._logprobs(self._run_blocks(self.block, h))
+            ref = self.ref_lp[i] if self.ref_lp is not None else self._logprobs(self.final[i])
+            total += float(F.kl_div(lp, ref, log_target=True, reduction="sum").double())
+            del lp, ref
+        return total / self.n_tokens

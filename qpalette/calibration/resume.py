@@ -1,0 +1,84 @@
+"""The resume files of an unfinished calibration, next to OUTPUT: OUTPUT.partial.json (the run's
+header, the layers measured so far, the timing of earlier sessions) and OUTPUT.tokens.safetensors
+(the evaluation tokens, so that a resumed run measures on exactly the same set)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from qpalette.errors import CalibrationError
+from qpalette.fileio import atomic_write_json
+
+PARTIAL_FORMAT = "qpalette.sensitivity-partial/1"
+# header keys that must match for a run to be resumed
+RESUME_KEYS = ("model", "protocol", "source", "seq_len", "levels", "t_max", "seed", "layer_filter",
+               "directions")
+
+
+@dataclass
+class PartialRun:
+    partial_path: Path
+    tokens_path: Path
+    header: dict | None = None
+    layers: dict[str, dict] = field(default_factory=dict)  # name → measured layer entry
+    timing: dict = field(default_factory=dict)  # this session's, saved with every layer
+    timing_prev: dict = field(default_factory=dict)  # the earlier sessions'
+    tokens: torch.Tensor | None = None
+
+    @classmethod
+    def next_to(cls, output: Path) -> PartialRun:
+        return cls(output.with_name(output.name + ".partial.json"),
+                   output.with_name(output.name + ".tokens.safetensors"))
+
+    def exists(self) -> bool:
+        return self.partial_path.exists()
+
+    def load(self) -> None:
+        """Read both files (the run to continue)."""
+        from safetensors.torch import load_file
+
+        try:
+            partial = json.loads(self.partial_path.read_text())
+            tokens = load_file(str(self.tokens_path))["tokens"]
+        except Exception as e:
+            raise CalibrationError(
+                f"cannot read the resume files {self.partial_path}, {self.tokens_path}: {e}") from None
+        if partial.get("format") != PARTIAL_FORMAT:
+            raise CalibrationError(f"{self.partial_path} is not a qpalette resume file")
+        self.header, self.layers = partial["header"], partial["layers"]
+        self.timing_prev = partial.get("timing", {})
+        self.tokens = tokens
+
+    def check_settings(self, want: dict) -> None:
+        """Refuse to continue a run whose header differs from `want` in a RESUME_KEYS key."""
+        diff = [k for k in RESUME_KEYS if self.header.get(k) != want.get(k)]
+        if diff:
+            raise CalibrationError(
+                "--resume: the unfinished run used other settings ("
+                + ", ".join(f"{k}={self.header.get(k)!r} vs {want.get(k)!r}" for k in diff)
+                + "); use the same options or delete " + str(self.partial_path))
+
+    def start(self, header: dict, tokens: torch.Tensor) -> None:
+        """A new run: write the tokens, then an empty partial file."""
+        from safetensors.torch import save_file
+
+        tmp = str(self.tokens_path) + ".tmp"
+        save_file({"tokens": tokens.contiguous()}, tmp, metadata={"header": json.dumps(header)})
+        os.replace(tmp, self.tokens_path)
+        self.header, self.tokens = header, tokens
+        self.save()
+
+    def save(self) -> None:
+        doc = {"format": PARTIAL_FORMAT, "header": self.header, "layers": self.layers}
+        if self.timing:
+            doc["timing"] = self.timing
+        atomic_write_json(self.partial_path, doc)
+
+    def remove(self) -> None:
+        for p in (self.partial_path, self.tokens_path):
+            p.unlink(missing_ok=True)

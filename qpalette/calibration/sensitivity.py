@@ -1,0 +1,268 @@
+"""Per-layer sensitivity coefficients a_l by the linearity theorem (docs/method.md §4, HIGGS protocol).
+
+Loss(Q(W)) − Loss(W) ≈ Σ_l a_l · err_l, with err_l = ‖Q(W_l) − W_l‖²_F / ‖W_l‖²_F.
+
+For every linear layer l inside the decoder blocks and every noise level t_i = t_max · i/levels
+(i = 1..levels) the weight is perturbed in place, W_l ← W_l + t_i · ‖W_l‖_F · ε/‖ε‖_F (by
+default one ε ~ N(0, I) per layer, scaled over the levels; `directions="fresh"` draws one per
+level), and the mean KL divergence of the perturbed model's next-token distribution from the
+unperturbed one is measured over a fixed evaluation set (`calibration.data`). Since the noise has
+err = t², fitting ΔKL ≈ a_l · t² by least squares through the origin gives a_l in the unit the
+planner needs (nats of KL per unit of nmse).
+
+Cost: only the blocks from the perturbed one onward run (`calibration.evaluator`). The original
+weight is kept aside and copied back after the layer's levels, so nothing drifts. Layers are
+spread round-robin over every device given (`calibration.workers`); an interrupted run continues
+from its resume files (`calibration.resume`); the per-layer measurement is `calibration.noise`.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from qpalette.calibration.data import load_text, sample_model, text_windows
+from qpalette.calibration.evaluator import linear_layers
+from qpalette.calibration.noise import Settings, fit_through_origin, noise_levels, run_layers
+from qpalette.calibration.progress import progress_bar
+from qpalette.calibration.resume import PartialRun
+from qpalette.calibration.workers import run_on_devices
+from qpalette.devices import DTYPE_NAMES, dtype_name, resolve_devices, resolve_dtype
+from qpalette.errors import CalibrationError
+from qpalette.fileio import atomic_write_json
+
+FORMAT = "qpalette.sensitivity/1"
+
+
+# --------------------------------------------------------------------------- the command
+
+
+@dataclass
+class CalibrateOptions:
+    model: str
+    output: Path
+    num_seqs: int = 256
+    seq_len: int = 512
+    levels: int = 16
+    t_max: float = 1.0
+    seed: int = 0
+    devices: list[str] = field(default_factory=lambda: ["cpu"])  # "cpu", "cuda:0", ...; see parse_devices
+    batch_size: int = 0
+    dtype: str = "auto"  # auto: tf32 on CUDA, float32 on the CPU
+    dataset: str | None = None
+    text_file: str | None = None
+    layers: str | None = None  # regex filter on layer names
+    directions: str = "shared"  # one noise direction per layer scaled over the levels, or fresh per level
+    resume: bool = False
+    progress: bool = True
+
+
+def parse_devices(spec: str) -> list[str]:
+    """CalibrateOptions.devices of a --device spec: auto | cpu | cuda (every GPU) | cuda:0,cuda:1 |
+    cpu,cpu (several CPU workers); see qpalette.devices.resolve_devices."""
+    return [str(d) for d in resolve_devices(spec)]
+
+
+def check_options(opts: CalibrateOptions) -> None:
+    if opts.levels < 2:
+        raise CalibrationError("--levels must be at least 2")
+    if opts.num_seqs < 1 or opts.seq_len < 2:
+        raise CalibrationError("--num-seqs must be ≥ 1 and --seq-len ≥ 2")
+    if not (0 < opts.t_max <= 4):
+        raise CalibrationError("--t-max must be in (0, 4]")
+    if opts.dataset and opts.text_file:
+        raise CalibrationError("give --dataset or --text-file, not both")
+    if opts.directions not in ("shared", "fresh"):
+        raise CalibrationError("--directions: shared or fresh")
+    if opts.dtype not in DTYPE_NAMES:
+        raise CalibrationError(f"--dtype: {', '.join(DTYPE_NAMES)}")
+    if not opts.devices:
+        raise CalibrationError("no device to calibrate on")
+    if opts.layers:
+        try:
+            re.compile(opts.layers)
+        except re.error as e:
+            raise CalibrationError(f"--layers is not a valid regular expression: {e}") from None
+
+
+def protocol(opts: CalibrateOptions) -> str:
+    return "data-aware" if (opts.dataset or opts.text_file) else "data-free"
+
+
+def header(opts: CalibrateOptions, source: str, n_seqs: int) -> dict:
+    """What the run measured: the head of the document (and of the resume file)."""
+    return {
+        "model": opts.model,
+        "protocol": protocol(opts),
+        "source": source,
+        "tokens": n_seqs * opts.seq_len,
+        "num_seqs": n_seqs,
+        "seq_len": opts.seq_len,
+        "levels": opts.levels,
+        "t_max": opts.t_max,
+        "seed": opts.seed,
+        "layer_filter": opts.layers,
+        "loss": "mean next-token KL(original || perturbed), nats per token",
+        "directions": opts.directions,
+        "noise": "W <- W + t*||W||_F*eps/||eps||_F, eps ~ N(0,I) "
+                 + ("one per layer, scaled over the levels" if opts.directions == "shared"
+                    else "fresh per (layer, level)") + "; err = t^2",
+    }
+
+
+def selected_layers(layers: list[tuple[str, torch.nn.Linear, int]], pattern: str | None) -> list[str]:
+    names = [n for n, _m, _b in layers]
+    if pattern:
+        names = [n for n in names if re.search(pattern, n)]
+        if not names:
+            raise CalibrationError(f"--layers '{pattern}' matches no linear layer")
+    return names
+
+
+def open_run(opts: CalibrateOptions, n_layers: int, log: Callable[[str], None]) -> PartialRun:
+    """The resume files next to opts.output: loaded (and checked) with --resume, else new."""
+    output = Path(opts.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    run = PartialRun.next_to(output)
+    if not run.exists():
+        if opts.resume:
+            log(f"--resume: no unfinished run next to {output}; starting a new one")
+        return run
+    if not opts.resume:
+        raise CalibrationError(
+            f"an unfinished run exists ({run.partial_path}); pass --resume to continue it or delete it")
+    run.load()
+    run.check_settings(header(opts, run.header.get("source", ""), run.tokens.shape[0]))
+    log(f"resuming: {len(run.layers)}/{n_layers} layers already measured")
+    return run
+
+
+def evaluation_set(opts: CalibrateOptions, model, tokenizer, device: torch.device,
+                   log: Callable[[str], None]) -> tuple[torch.Tensor, str]:
+    """(tokens [n, seq_len], source): samples of the model (data-free) or windows of the text."""
+    if protocol(opts) == "data-free":
+        tokens = sample_model(model, tokenizer, opts.num_seqs, opts.seq_len, opts.seed, device,
+                              opts.progress)
+        return tokens, "model samples, temperature 1"
+    text, source = load_text(opts.text_file, opts.dataset)
+    tokens = text_windows(tokenizer, text, opts.num_seqs, opts.seq_len)
+    if tokens.shape[0] < opts.num_seqs:
+        log(f"note: the text gives only {tokens.shape[0]} windows of {opts.seq_len} tokens")
+    return tokens, source
+
+
+def auto_batch(seq_len: int, vocab: int, device: torch.device) -> int:
+    """Sequences per forward pass: 12% of the free GPU memory for the logits, 2048 tokens on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # sampling's KV caches would hide free memory
+        free, _ = torch.cuda.mem_get_info(device)
+        tokens = min(int(free * 0.12 / (vocab * 4 * 4)), 32768)
+    else:
+        tokens = 2048
+    return max(1, tokens // seq_len)
+
+
+def _timing(opts: CalibrateOptions, run: PartialRun, dtype: torch.dtype, batch: int,
+            sampling_s: float) -> dict:
+    tf32 = opts.dtype in ("tf32", "auto") and torch.device(opts.devices[0]).type == "cuda"
+    return {
+        "devices": opts.devices,
+        "dtype": dtype_name(dtype) + ("/tf32" if tf32 else ""),
+        "batch_size": batch,
+        "sampling_s": round(run.timing_prev.get("sampling_s", 0.0) + sampling_s, 3),
+    }
+
+
+def measure_layers(opts: CalibrateOptions, run: PartialRun, names: list[str], settings: Settings,
+                   shapes: dict[str, list[int]], model, model_dir: Path) -> float:
+    """Measure the layers of `names` not measured yet, on the first device with `model`, or (model
+    None) in one worker per device; every layer is fitted and saved in the resume file at once.
+    Returns the seconds taken."""
+    todo = [n for n in names if n not in run.layers]
+    ts = noise_levels(opts.levels, opts.t_max)
+
+    def record(name: str, dkl: list[float], seconds: float) -> None:
+        a, r2 = fit_through_origin(ts, dkl)
+        run.layers[name] = {"a": a, "r2": r2, "shape": shapes[name], "delta_kl": dkl,
+                            "seconds": round(seconds, 3)}
+        run.save()
+
+    bar = progress_bar(len(todo) * opts.levels, "calibrate", "eval", opts.progress)
+    t0 = time.perf_counter()
+    try:
+        if todo and model is not None:
+            run_layers(model, run.tokens, todo, settings, opts.devices[0], report=record,
+                       tick=lambda: bar.update(1))
+        elif todo:
+            run_on_devices(opts.devices, model_dir, run.tokens_path, todo, settings, record,
+                           tick=lambda: bar.update(1))
+    except KeyboardInterrupt:
+        raise CalibrationError(
+            f"interrupted: {len(run.layers)}/{len(names)} layers saved in {run.partial_path}; "
+            f"rerun with --resume to continue") from None
+    finally:
+        bar.close()
+    return time.perf_counter() - t0
+
+
+def document(run: PartialRun, names: list[str], levels: int, layers_s: float, session_s: float) -> dict:
+    """The sensitivity file: header, per-layer fits, median R², timing over every session."""
+    prev = run.timing_prev
+    layers = {n: run.layers[n] for n in names}
+    timing = {
+        **run.timing,
+        "layers_s": round(prev.get("layers_s", 0.0) + layers_s, 3),
+        "total_s": round(prev.get("total_s", 0.0) + session_s, 3),
+        "mean_layer_s": round(statistics.fmean(v["seconds"] for v in layers.values()), 4),
+        "evaluations": len(names) * levels,
+        "resumed": bool(prev),
+    }
+    return {"format": FORMAT, **run.header, "n_layers": len(names),
+            "median_r2": statistics.median(v["r2"] for v in layers.values()),
+            "layers": layers, "timing": timing}
+
+
+def calibrate(opts: CalibrateOptions, log: Callable[[str], None] = print) -> dict:
+    """Run (or resume) a calibration and write opts.output. Returns the written document.
+
+    Check the options; load the model; open (or resume) the run; build the evaluation set;
+    measure the layers; write the document."""
+    from qpalette.models.sources import resolve_model
+    from qpalette.runtime.loading import load_model
+
+    check_options(opts)
+    t_start = time.perf_counter()
+    model_dir = resolve_model(opts.model)
+    device = torch.device(opts.devices[0])
+    dtype = resolve_dtype(opts.dtype, device, auto_cuda="tf32")
+    model, tok = load_model(model_dir, device, dtype)
+    layers = linear_layers(model)
+    names = selected_layers(layers, opts.layers)
+    shapes = {n: list(m.weight.shape) for n, m, _b in layers}
+    del layers
+    run = open_run(opts, len(names), log)
+
+    t_data = time.perf_counter()
+    if run.tokens is None:
+        tokens, source = evaluation_set(opts, model, tok, device, log)
+        run.start(header(opts, source, tokens.shape[0]), tokens)
+    sampling_s = time.perf_counter() - t_data
+
+    batch = opts.batch_size or auto_batch(opts.seq_len, model.lm_head.out_features, device)
+    settings = Settings(seed=opts.seed, levels=opts.levels, t_max=opts.t_max, batch_size=batch,
+                        dtype=opts.dtype, directions=opts.directions)
+    run.timing = _timing(opts, run, dtype, batch, sampling_s)
+    if len(opts.devices) > 1:
+        model = None  # the workers load their own copies: free the first device for worker 0
+    layers_s = measure_layers(opts, run, names, settings, shapes, model, model_dir)
+
+    doc = document(run, names, opts.levels, layers_s, time.perf_counter() - t_start)
+    atomic_write_json(Path(opts.output), doc)
+    run.remove()
+    return doc
