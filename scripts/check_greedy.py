@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Issue 6 check: a compressed checkpoint generates the same greedy text on the CUDA kernels as
+"""A compressed checkpoint generates the same greedy text on the CUDA kernels as
 on the CPU reference path, and under torch.compile with a static KV cache.
 
     python3 scripts/check_greedy.py MODEL_DIR [--tokens 24] [--json out.json]

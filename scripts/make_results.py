@@ -213,7 +213,7 @@ def breakdown(folder: Path) -> list[str]:
 
 
 def targets(sweep: dict | None, folder: Path) -> list[str]:
-    """Issue 7's targets, checked against the measured numbers (or said to be unmeasured)."""
+    """The end-to-end targets, checked against the measured numbers (or said to be unmeasured)."""
     out = ["## Targets", "", "| target | measured | met |", "|---|---|---|"]
     if sweep:
         ppl = {r["name"]: r["ppl"] for r in sweep["rows"]}
