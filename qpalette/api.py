@@ -147,13 +147,18 @@ def evaluate(model: str, *, log: Log = _quiet, **options) -> dict:
     return run(EvalOptions(model=model, **options), log=log)
 
 
-def bench(model: str, *, log: Log = _quiet, **options) -> dict:
-    """Decode tokens/s (generate and the compiled forward loop); `options` are the fields of
-    `qpalette.measure.bench.BenchOptions` (batch_sizes, prompt_len, gen_len, device, compile)."""
+def bench(model: str, *, json_out: str | Path | None = None, log: Log = _quiet, **options) -> dict:
+    """Decode tokens/s (generate and the compiled forward loop), also written to `json_out`;
+    `options` are the fields of `qpalette.measure.bench.BenchOptions` (batch_sizes, prompt_len,
+    gen_len, device, compile)."""
+    from qpalette.fileio import atomic_write_json
     from qpalette.measure.bench import BenchOptions
     from qpalette.measure.bench import bench as run
 
-    return run(BenchOptions(model=model, **options), log=log)
+    result = run(BenchOptions(model=model, **options), log=log)
+    if json_out is not None:
+        atomic_write_json(json_out, result)
+    return result
 
 
 def profile(model: str, batch_sizes: list[int] | None = None, output: str | Path = ".", *,

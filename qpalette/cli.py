@@ -13,7 +13,6 @@ from typer.core import TyperGroup
 
 from qpalette import api
 from qpalette.errors import InputError, QpaletteError
-from qpalette.fileio import atomic_write_json
 
 
 class _Commands(TyperGroup):
@@ -282,10 +281,8 @@ def bench(
 ) -> None:
     """Decode tokens/s with a static KV cache and CUDA graphs: the same harness for FP16 and
     compressed models."""
-    res = api.bench(model, batch_sizes=_int_list(batch_sizes, "--batch-sizes"), prompt_len=prompt_len,
-                    gen_len=gen_len, device=device, compile=compile, log=typer.echo)
-    if json_out:
-        atomic_write_json(json_out, res)
+    api.bench(model, batch_sizes=tuple(_int_list(batch_sizes, "--batch-sizes")), prompt_len=prompt_len,
+              gen_len=gen_len, device=device, compile=compile, json_out=json_out, log=typer.echo)
 
 
 @app.command()
