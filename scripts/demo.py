@@ -115,8 +115,9 @@ def main() -> None:
         line += f"generate {speed[name]:.1f} tok/s on {device}"
         print(line)
     if not gpu:
-        print("  (CPU runs the pure-PyTorch reference path, which dequantizes every layer per step: "
-              "slower than the original; the speed-up comes from the CUDA kernels)")
+        print("  (on CPU each quantized layer is decoded once into a dense weight while half the free "
+              "memory allows, QPALETTE_CPU_DECODED_BYTES; the speed-up of the small codes comes from "
+              "the CUDA kernels)")
     print(f"demo finished in {(time.time() - t_start) / 60:.1f} min")
 
 

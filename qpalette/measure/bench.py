@@ -26,6 +26,7 @@ import torch
 from qpalette.devices import resolve_device
 from qpalette.errors import InputError
 from qpalette.runtime.loading import load_model
+from qpalette.runtime.modules import decoded_bytes
 
 
 @dataclass
@@ -154,8 +155,8 @@ def bench(opts: BenchOptions, log: Callable[[str], None] = print) -> dict:
         raise InputError(str(e)) from None
     model, _ = load_model(path, device, tokenizer=False)
     if device.type == "cpu":
-        log("note: on CPU there are no CUDA graphs and qpalette layers run the pure-PyTorch "
-            "reference (dequantize every step): numbers say little about GPU speed")
+        log("note: on CPU there are no CUDA graphs and qpalette layers run on weights decoded once "
+            "(QPALETTE_CPU_DECODED_BYTES) or the pure-PyTorch reference: numbers say little about GPU speed")
     rows = []
     for b in opts.batch_sizes:
         steps = decode_step_times(model, b, opts.prompt_len, opts.gen_len, opts.compile and device.type == "cuda",
@@ -176,6 +177,7 @@ def bench(opts: BenchOptions, log: Callable[[str], None] = print) -> dict:
         "dtype": str(model.dtype).removeprefix("torch."),
         "compiled": opts.compile and device.type == "cuda",
         "quantized": "quantization_config" in model.config.to_dict(),
+        "cpu_decoded_weight_bytes": decoded_bytes() if device.type == "cpu" else None,
         "prompt_len": opts.prompt_len,
         "gen_len": opts.gen_len,
         "torch": torch.__version__,

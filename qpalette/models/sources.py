@@ -1,4 +1,4 @@
-"""Finding and loading the model a command works on.
+"""Finding the model a command works on (loading it is runtime/loading.py).
 
 `resolve_model(spec)` turns what the user typed into a local directory that
 `transformers` can load (config + safetensors + tokenizer):

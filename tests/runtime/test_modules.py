@@ -83,6 +83,7 @@ def test_fused_slices_share_one_matmul_and_the_cache_resets(monkeypatch):
     parent.a, parent.b = FusedSlice(group, 0, 32), FusedSlice(group, 32, 48)
     calls = []
     real = qlinear.ops.quantized_matmul
+    monkeypatch.setitem(qlinear._decoded_bytes, "budget", 0)  # the ops path, not decoded CPU weights
     monkeypatch.setattr(qlinear.ops, "quantized_matmul", lambda *a: calls.append(1) or real(*a))
     parent.forward = lambda x: (parent.a(x), parent.b(x))
     install_cache_reset(parent)
@@ -94,3 +95,24 @@ def test_fused_slices_share_one_matmul_and_the_cache_resets(monkeypatch):
     x2 = torch.randn(5, 64, generator=g)
     ya2, _ = parent(x2)
     assert not torch.equal(ya2, ya) and group.__dict__["_cache"] is None
+
+
+def test_cpu_decoded_weights_equal_the_ops_path_and_follow_new_codes(monkeypatch):
+    g = torch.Generator().manual_seed(11)
+    lin = nn.Linear(64, 48, bias=True)
+    rot = InputRotation.from_signs(random_signs(64, 5))
+    layer = quantized(lin, "tcq-2.0", rot)
+    x = torch.randn(3, 64, generator=g)
+    monkeypatch.setitem(qlinear._decoded_bytes, "budget", 0)
+    held = qlinear.decoded_bytes()  # other tests' layers may hold some
+    y_ops = layer(x)
+    assert qlinear.decoded_bytes() == held and "_decoded" not in layer.__dict__
+    monkeypatch.setitem(qlinear._decoded_bytes, "budget", held + (1 << 30))
+    y_dec = layer(x)
+    assert qlinear.decoded_bytes() == held + 64 * 48 * 4
+    torch.testing.assert_close(y_dec, y_ops, rtol=1e-4, atol=1e-5)
+    other = quantized(nn.Linear(64, 48, bias=True), "tcq-2.0", rot)
+    layer.load_state_dict(other.state_dict())  # new codes in place: decoded again
+    torch.testing.assert_close(layer(x), other(x), rtol=1e-4, atol=1e-5)
+    layer.to(torch.float64)
+    assert "_decoded" not in layer.__dict__
