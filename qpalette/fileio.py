@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -50,3 +54,29 @@ def read_json_object(
             f"{p}: format is {data.get('format')!r}, expected {fmt!r}" + (f" ({hint})" if hint else "")
         )
     return data
+
+
+def sha256_file(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+@contextmanager
+def folder_written_whole(target: str | Path) -> Iterator[Path]:
+    """Yield TARGET.partial (emptied first); when the block completes it replaces TARGET (a folder
+    or a file), and when it fails it is removed: a killed write never looks complete."""
+    target = Path(target)
+    tmp = target.with_name(target.name + ".partial")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        os.chmod(tmp, 0o755)
+        if target.is_dir():
+            shutil.rmtree(target)
+        elif target.exists():
+            target.unlink()
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

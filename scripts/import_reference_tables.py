@@ -25,9 +25,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from qpalette.fileio import atomic_write  # noqa: E402
+from qpalette.fileio import (
+    atomic_write,  # noqa: E402
+    sha256_file,  # noqa: E402
+)
 from qpalette.models.topology import layer_name, linear_layers  # noqa: E402
-from qpalette.planning.inputs import LATENCY_FORMAT, SENSITIVITY_FORMAT, sha256_file  # noqa: E402
+from qpalette.planning.inputs import LATENCY_FORMAT, SENSITIVITY_FORMAT  # noqa: E402
 from qpalette.quant.distortion import DISTORTION_FORMAT  # noqa: E402
 from qpalette.quant.palette import get_quantizer  # noqa: E402
 

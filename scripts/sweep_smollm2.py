@@ -62,9 +62,10 @@ def main() -> None:
 
     import qpalette  # noqa: F401  (registers the checkpoint format)
     from qpalette.calibration.data import load_text as load_eval_text
+    from qpalette.calibration.data import sample_model
     from qpalette.compression.writer import CompressOptions, compress
     from qpalette.fileio import atomic_write_json
-    from qpalette.measure.evaluate import mean_kl, perplexity, sample_reference, tokenize
+    from qpalette.measure.evaluate import mean_kl, perplexity, tokenize
     from qpalette.models.sources import resolve_model
     from qpalette.models.topology import linear_layers, load_config
     from qpalette.quant.rtn import rtn_bits, rtn_fake_quantize
@@ -78,7 +79,7 @@ def main() -> None:
     ref, tok = load_model(src, device, torch.float32)
     text, source = load_eval_text(text_file=args.text)
     ids = tokenize(tok, text)
-    kl_tokens = sample_reference(ref, tok, args.kl_seqs, args.kl_len, seed=0, device=device)
+    kl_tokens = sample_model(ref, tok, args.kl_seqs, args.kl_len, seed=0, device=device)
 
     configs: list[tuple[str, dict]] = [("fp", {"kind": "original"}), ("rtn4-g128", {"kind": "rtn"})]
     configs += [(s, {"kind": "uniform", "scheme": s}) for s in UNIFORM]

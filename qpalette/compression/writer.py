@@ -10,6 +10,7 @@ folder that looks complete, and `--resume` picks up at the first missing shard.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -82,8 +83,9 @@ class Job:
     def n_shards(self) -> int:
         return self.cfg["num_hidden_layers"] + 1
 
+    @functools.cached_property
     def fingerprint(self) -> str:
-        """What a resumed run must share with the run it continues."""
+        """What a resumed run must share with the run it continues (source files stat'ed once)."""
         return hashlib.sha256(json.dumps(
             {"layout": self.layout.to_config(), "source": self.src.fingerprint(), "device": self.device.type,
              "version": __version__, "random_codes": self.opts.random_codes}, sort_keys=True).encode()
@@ -129,7 +131,7 @@ def open_partial(job: Job, log: Callable[[str], None]) -> tuple[dict[str, dict],
         if not job.opts.resume:
             raise CompressError(f"{partial} holds a previous unfinished run; continue it with --resume or delete it")
         man = read_json_object(partial / PROGRESS_FILE, "compress progress", CompressError, PROGRESS_FORMAT)
-        if man.get("fingerprint") != job.fingerprint():
+        if man.get("fingerprint") != job.fingerprint:
             raise CompressError(
                 f"{partial} was started with other settings (model, plan/scheme, seed, device or "
                 "qpalette version differ); delete it or run with the same settings"
@@ -162,7 +164,7 @@ def write_shards(job: Job, done: dict[str, dict], prior_s: float) -> tuple[dict[
 
     def save_manifest():
         atomic_write_json(job.partial / PROGRESS_FILE, {
-            "format": PROGRESS_FORMAT, "fingerprint": job.fingerprint(), "shards": done,
+            "format": PROGRESS_FORMAT, "fingerprint": job.fingerprint, "shards": done,
             "seconds": prior_s + time.time() - job.started})
 
     weight_map: dict[str, str] = {}

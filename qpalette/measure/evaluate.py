@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from qpalette.calibration.data import load_text, sample_model
+from qpalette.calibration.progress import progress_bar
 from qpalette.devices import dtype_name, resolve_device, resolve_dtype
 from qpalette.errors import InputError
 
@@ -98,7 +99,7 @@ def perplexity(model, ids: torch.Tensor, ctx: int = 2048, max_windows: int | Non
     n = min(total, max_windows) if max_windows else total
     windows = ids[: n * ctx].view(n, ctx)
     device = torch.device(device) if device is not None else next(model.parameters()).device
-    bar = _bar(n, "perplexity", "win", progress)
+    bar = progress_bar(n, "perplexity", "win", progress, smoothing=0.1)
     nll_sum = 0.0
     t0 = time.perf_counter()
     try:
@@ -144,12 +145,6 @@ def _logprobs(model, ids: torch.Tensor) -> torch.Tensor:
     return F.log_softmax(logits.float(), dim=-1)
 
 
-def sample_reference(ref_model, ref_tokenizer, num_seqs: int, seq_len: int, seed: int, device,
-                     progress: bool = False) -> torch.Tensor:
-    """[num_seqs, seq_len] int64: BOS, then temperature-1 samples of the reference (seeded)."""
-    return sample_model(ref_model, ref_tokenizer, num_seqs, seq_len, seed, device, progress)
-
-
 @torch.no_grad()
 def mean_kl(ref_model, model, tokens: torch.Tensor, device=None, batch_tokens: int | None = None,
             progress: bool = False) -> float:
@@ -159,7 +154,7 @@ def mean_kl(ref_model, model, tokens: torch.Tensor, device=None, batch_tokens: i
     if batch_tokens is None:
         batch_tokens = 8192 if device.type == "cuda" else 2048
     batch = max(1, batch_tokens // length)
-    bar = _bar(n, "KL", "seq", progress)
+    bar = progress_bar(n, "KL", "seq", progress, smoothing=0.1)
     total = 0.0
     try:
         for b0 in range(0, n, batch):
@@ -189,7 +184,7 @@ def kl_to_reference(model, ref_model, ref_tokenizer, num_seqs: int = 32, seq_len
                         "same vocabulary (compare a model with its own original)")
     device = torch.device(device) if device is not None else next(model.parameters()).device
     t0 = time.perf_counter()
-    tokens = sample_reference(ref_model, ref_tokenizer, num_seqs, seq_len, seed, device, progress)
+    tokens = sample_model(ref_model, ref_tokenizer, num_seqs, seq_len, seed, device, progress)
     t1 = time.perf_counter()
     kl = mean_kl(ref_model, model, tokens, device, progress=progress)
     if device.type == "cuda":
@@ -270,9 +265,3 @@ def evaluate(opts: EvalOptions, log: Callable[[str], None] = print) -> dict:
     if opts.json_out:
         atomic_write_json(opts.json_out, doc)
     return doc
-
-
-def _bar(total: int, desc: str, unit: str, enabled: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit=unit, disable=not enabled, dynamic_ncols=True, smoothing=0.1)

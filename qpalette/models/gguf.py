@@ -2,25 +2,16 @@
 
 Tensors are dequantized with the `gguf` package (exact for Q4_1/Q8_0: d·q + m with fp16 d, m fits
 in float32), llama.cpp's rotary permutation of q/k rows is undone, and a `LlamaForCausalLM`
-checkpoint with the GGUF's own tokenizer is written (to a temporary folder, renamed when complete).
+checkpoint with the GGUF's own tokenizer is written (to TARGET.partial, renamed when complete).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from qpalette.errors import ModelError
-
-
-def _say(msg: str) -> None:
-    import sys
-
-    print(msg, file=sys.stderr, flush=True)
-
+from qpalette.fileio import folder_written_whole
 
 _GGUF_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -122,7 +113,7 @@ def _tensors(path: Path, reader, n_heads: dict[str, int]):
         yield hf, np.array(arr, dtype=np.float32, order="C", copy=True)
 
 
-def convert_gguf(gguf: Path, target: Path, say=_say) -> Path:
+def convert_gguf(gguf: Path, target: Path, say) -> Path:
     """Write a float32 safetensors LlamaForCausalLM + tokenizer for `gguf` into `target`."""
     if target.is_dir() and (target / "config.json").is_file():
         return target
@@ -150,21 +141,12 @@ def convert_gguf(gguf: Path, target: Path, say=_say) -> Path:
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     except Exception as e:
         raise ModelError(f"cannot build the tokenizer from {gguf.name}: {e}") from None
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp", dir=target.parent))
-    try:
+    with folder_written_whole(target) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
         (tmp / "qpalette_source.json").write_text(
             json.dumps({"gguf": gguf.name, "note": "dequantized GGUF, float32"}, indent=1)
         )
-        os.chmod(tmp, 0o755)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     say(f"qpalette: model ready in {target}")
     return target
 

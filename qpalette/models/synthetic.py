@@ -28,13 +28,13 @@ import argparse
 import json
 import math
 import os
-import shutil
 import sys
 import time
 import zlib
 from pathlib import Path
 
 from qpalette.errors import InputError
+from qpalette.fileio import folder_written_whole
 from qpalette.quant.codebooks import profiles_dir
 
 CONFIGS = {"llama-3.1-8b": ("reference", "llama31_8b", "config.json")}  # under the shipped profiles/
@@ -230,12 +230,8 @@ def make_synthetic_model(out_dir: str | Path, config: str = "llama-3.1-8b", laye
     total = sum(2 * math.prod(s) for _n, s in specs)
     log(f"{source}: {cfg.num_hidden_layers} blocks, {sum(math.prod(s) for _n, s in specs) / 1e9:.3f} B "
         f"parameters, {total / 1e9:.2f} GB float16 in {len(shards)} shard(s) → {out}")
-    tmp = out.with_name(out.name + ".partial")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
     t0 = time.perf_counter()
-    try:
+    with folder_written_whole(out) as tmp:
         weight_map = _write_shards(tmp, shards, seed, std, log)
         if len(shards) > 1:
             (tmp / "model.safetensors.index.json").write_text(json.dumps(
@@ -247,13 +243,6 @@ def make_synthetic_model(out_dir: str | Path, config: str = "llama-3.1-8b", laye
             "tokenizer": tokenizer, "note": "random weights ~ N(0, std^2) float16, norms 1, biases 0 "
                                             "(qpalette.models.synthetic); not a trained model",
         }, indent=1) + "\n")
-        os.chmod(tmp, 0o755)
-        if out.exists():
-            shutil.rmtree(out) if out.is_dir() else out.unlink()
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     log(f"done in {time.perf_counter() - t0:.1f} s: {out}")
     return out
 

@@ -13,13 +13,12 @@ the problem), `to_dict()` and one loader, the classmethod `load(path)`.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from qpalette.errors import InputError, UnknownQuantizer
-from qpalette.fileio import read_json_object
+from qpalette.fileio import read_json_object, sha256_file
 from qpalette.models.topology import GROUP_ALIASES, GROUPS
 from qpalette.quant.distortion import DISTORTION_FORMAT, DistortionRow, DistortionTable
 from qpalette.quant.palette import get_quantizer
@@ -29,12 +28,8 @@ LATENCY_FORMAT = "qpalette.latency/1"
 
 __all__ = [
     "DISTORTION_FORMAT", "LATENCY_FORMAT", "SENSITIVITY_FORMAT", "DistortionRow", "DistortionTable",
-    "LatencyProfile", "Sensitivity", "find_shipped_profile", "sha256_file", "shipped_latency_profiles",
+    "LatencyProfile", "Sensitivity", "find_shipped_profile", "shipped_latency_profiles",
 ]
-
-
-def sha256_file(path: str | Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def _finite(x, what: str) -> float:

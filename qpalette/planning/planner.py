@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qpalette.errors import InputError, ModelError
+from qpalette.fileio import sha256_file
 from qpalette.models.topology import dims, layers_from_shapes, linear_layers, load_config, unquantized_params
 from qpalette.planning.budget import Budget, parse_budgets
 from qpalette.planning.document import Plan, make_plan
@@ -21,7 +22,6 @@ from qpalette.planning.inputs import (
     LatencyProfile,
     Sensitivity,
     find_shipped_profile,
-    sha256_file,
     shipped_latency_profiles,
 )
 from qpalette.planning.program import build_problem, check_latency_profile, solve

@@ -6,7 +6,6 @@ profiles/distortion_gaussian.json by default); `measure_table` measures a new on
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -15,7 +14,7 @@ from pathlib import Path
 import torch
 
 from qpalette.errors import InputError, UnknownQuantizer
-from qpalette.fileio import atomic_write_json, read_json_object
+from qpalette.fileio import atomic_write_json, read_json_object, sha256_file
 from qpalette.quant.codebooks import profiles_dir
 from qpalette.quant.palette import Quantizer, get_quantizer
 
@@ -95,7 +94,7 @@ class DistortionTable:
         """A distortion table file (default: the shipped measured one in profiles/)."""
         p = Path(path) if path else profiles_dir() / TABLE_FILE
         data = read_json_object(p, "distortion table", InputError, DISTORTION_FORMAT)
-        return cls.from_dict(data, str(p), hashlib.sha256(p.read_bytes()).hexdigest())
+        return cls.from_dict(data, str(p), sha256_file(p))
 
     def save(self, path: str | Path) -> None:
         atomic_write_json(path, self.to_dict())

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from shared_data import shared_dir
 from typer.testing import CliRunner
 
-from qpalette.calibration.data import bos_token_id, dataset_spec, load_text
+from qpalette.calibration.data import bos_token_id, dataset_spec, load_text, sample_model
 from qpalette.cli import app
 from qpalette.errors import InputError
 from qpalette.measure.evaluate import (
@@ -22,7 +22,6 @@ from qpalette.measure.evaluate import (
     kl_to_reference,
     mean_kl,
     perplexity,
-    sample_reference,
     tokenize,
 )
 from qpalette.runtime.loading import load_model
@@ -176,7 +175,7 @@ def test_kl_to_itself_is_zero_and_to_a_perturbed_copy_positive(tiny_llama_dir, t
     assert kl_to_reference(noisy, ref, ref_tok, num_seqs=4, seq_len=24, seed=3).kl == pytest.approx(k.kl, rel=1e-9)
 
     # the same number by hand: KL(ref ‖ model) = Σ p_ref (log p_ref − log p_model), mean over positions
-    tokens = sample_reference(ref, ref_tok, 4, 24, seed=3, device="cpu")
+    tokens = sample_model(ref, ref_tok, 4, 24, seed=3, device="cpu")
     assert tokens.shape == (4, 24) and bool((tokens[:, 0] == tok.bos_token_id).all())
     with torch.no_grad():
         lr = F.log_softmax(ref(input_ids=tokens).logits.double(), -1)
