@@ -14,7 +14,7 @@ import statistics
 import torch
 
 from qpalette.quant.palette import get_quantizer
-from qpalette.runtime import ops
+from qpalette.runtime import lanes, ops
 
 L2_FLUSH_BYTES = 256 << 20  # bytes of distinct weights a graph cycles through (H100 L2: 50 MB)
 MAX_COPIES = 256
@@ -58,9 +58,12 @@ def time_graph(calls, repeats: int = 15) -> float:
 def time_quantized(name: str, rows: int, cols: int, batches, dtype=torch.float16,
                    gen: torch.Generator | None = None) -> tuple[dict[int, float], int]:
     """{batch: seconds} of ops.quantized_matmul on a rows×cols layer, and its stored bytes."""
-    first = get_quantizer(name).random_tensors(rows, cols, gen, 'cuda')
+    def layer():
+        return lanes.pack(name, get_quantizer(name).random_tensors(rows, cols, gen, "cuda"))
+
+    first = layer()
     nbytes = stored_bytes(first)
-    layers = [first] + [get_quantizer(name).random_tensors(rows, cols, gen, 'cuda') for _ in range(copies_for(nbytes) - 1)]
+    layers = [first] + [layer() for _ in range(copies_for(nbytes) - 1)]
     out = {}
     for m in batches:
         x = torch.randn(m, cols, device="cuda", dtype=dtype)

@@ -18,8 +18,8 @@ def default_dtype(device: torch.device) -> torch.dtype:
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                *, tokenizer: bool = True):
     """(model in eval mode on `device`, tokenizer or None) from a local model directory, original or
-    qpalette-compressed. A compressed model on CUDA runs one token first, so the kernels' tables
-    and workspace exist before anything is compiled or captured."""
+    qpalette-compressed. A compressed model on CUDA runs one token first, so the codes are in the
+    kernels' layout and their tables exist before anything is compiled or captured."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from qpalette.runtime.hf_quantizer import register

@@ -10,7 +10,9 @@ forward hook on the parent drops them (`install_cache_reset`).
 
 Buffers carry exactly the names, shapes and dtypes of the stored tensors (`Quantizer.
 tensor_specs`, bit-packed `signs`), so a module built empty (on the meta device) loads a
-checkpoint as it is. fp16 buffers (row scales, codebooks) keep their dtype through
+checkpoint as it is. The first call that runs the ops (the loader's warm-up token on CUDA)
+regroups the code buffers in place into the kernels' lane-major layout (runtime/lanes.py: the
+same bytes, one copy); `state_dict()` and `load_state_dict()` still speak the checkpoint's layout. fp16 buffers (row scales, codebooks) keep their dtype through
 `model.to(dtype)`/`.half()`: a cast would change the stored numbers. Nothing here subclasses
 `nn.Linear`: transformers re-initialises those.
 """
@@ -26,7 +28,7 @@ from torch import nn
 from qpalette.quant.codebooks import codebook
 from qpalette.quant.incoherence import pack_signs, unpack_signs, unrotate_weight
 from qpalette.quant.palette import get_quantizer
-from qpalette.runtime import ops
+from qpalette.runtime import lanes, ops
 
 
 class _KeepsFp16(nn.Module):
@@ -93,6 +95,8 @@ class QuantizedLinear(_CallCache, _KeepsFp16):
             self.register_buffer(name, torch.zeros(shape, dtype=dt))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
         self.rotation: InputRotation | None = None
+        self.lane_major = False  # code buffers in the checkpoint's layout until the first op call
+        self._register_state_dict_hook(_checkpoint_layout_state)
 
     def __setattr__(self, name, value):
         if name == "rotation":  # shared with other layers: a reference, not a child module
@@ -104,11 +108,36 @@ class QuantizedLinear(_CallCache, _KeepsFp16):
         return f"{self.in_features}→{self.out_features}, {self.quantizer.name}"
 
     def stored_tensors(self) -> dict[str, torch.Tensor]:
+        """The buffers as they are now (lane-major codes once `to_lane_major` ran)."""
         return {n: getattr(self, n) for n in self.tensor_names}
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """The buffers in the checkpoint's layout."""
+        if not self.lane_major:
+            return self.stored_tensors()
+        return lanes.unpack(self.quantizer.name, self.stored_tensors(), (self.out_features, self.in_features))
+
+    @torch.compiler.disable  # runs once, eagerly, even when the first call is a compiled one
+    @torch.no_grad()
+    def to_lane_major(self) -> None:
+        """Regroup the code buffers into the kernels' layout (once; a no-op after)."""
+        if self.lane_major:
+            return
+        packed = lanes.pack(self.quantizer.name, self.stored_tensors())
+        for name in lanes.code_names(self.quantizer.name):
+            self._buffers[name] = packed[name]
+        self.lane_major = True
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if self.lane_major:  # checkpoint-layout tensors in: regroup them like ours
+            for name in lanes.code_names(self.quantizer.name):
+                if prefix + name in state_dict:
+                    state_dict[prefix + name] = lanes.pack_codes(state_dict[prefix + name])
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def rotated_weight(self) -> torch.Tensor:
         """W_r = decode(codes) ⊙ row_scale in float32: the weight in the rotated domain."""
-        return ops.dequantize(self.quantizer.name, self.stored_tensors(),
+        return ops.dequantize(self.quantizer.name, self.checkpoint_tensors(),
                               (self.out_features, self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -118,7 +147,8 @@ class QuantizedLinear(_CallCache, _KeepsFp16):
         if w is not None:  # CPU: the weight decoded once, in the original basis (no rotation)
             y = F.linear(x, w)
         else:
-            ops.prepare(x, self.quantizer.name, self.out_features)
+            self.to_lane_major()
+            ops.prepare(x, self.quantizer.name)
             y = ops.quantized_matmul(self.rotation(x), self.quantizer.name, self.stored_tensors(),
                                      (self.out_features, self.in_features))
         if self.bias is not None:
@@ -132,6 +162,15 @@ class QuantizedLinear(_CallCache, _KeepsFp16):
     def shared_forward(self, x: torch.Tensor) -> torch.Tensor:
         """forward(x), computed once per parent call for the slices of a fused group."""
         return self._cached(x, self.forward)
+
+
+def _checkpoint_layout_state(module: "QuantizedLinear", state: dict, prefix: str, _meta) -> dict:
+    """state_dict hook: lane-major code buffers go out in the checkpoint's layout."""
+    if module.lane_major:
+        for name, t in module.checkpoint_tensors().items():
+            if prefix + name in state:
+                state[prefix + name] = t
+    return state
 
 
 # ---- CPU: decoded weights ---------------------------------------------------------------------------

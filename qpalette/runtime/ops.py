@@ -1,24 +1,28 @@
 """The two operations a quantized layer runs: the online rotation and the quantized matmul.
 
-Both are torch.library custom ops, `qpalette::rotate` and `qpalette::quantized_matmul`, taking the
-stored tensors as they are on disk, with fake implementations so that torch.compile and CUDA-graph
-capture see ordinary ops. Each has two implementations registered:
+Both are torch.library custom ops, `qpalette::rotate` and `qpalette::quantized_matmul`, with fake
+implementations so that torch.compile and CUDA-graph capture see ordinary ops. The matmul takes
+the runtime tensors: the checkpoint's, code tensors in the lane-major layout (runtime/lanes.py).
+Each op has two implementations registered:
 
-- CPU (and any device without kernels): the pure-PyTorch reference — decode to float32, multiply
-  back the row scales, one matmul; H(s ⊙ x) with the fast transform of quant.hadamard;
-- CUDA: the kernels of runtime/cuda (fused dequantize + tensor-core matmul for up to 8 activation
-  rows with all leading dimensions flattened, dequantize + cuBLAS above that; the online
-  Hadamard kernel). Where they cannot run (float32 activations, kernels turned off or not built,
-  a size the Hadamard kernel does not take) the CUDA implementation runs the reference and says
-  so once.
+- CPU (and any device without kernels): the pure-PyTorch reference — back to the checkpoint
+  layout, decode to float32, multiply back the row scales, one matmul; H(s ⊙ x) with the fast
+  transform of quant.hadamard;
+- CUDA: the kernels of runtime/cuda (the persistent fused dequantize + tensor-core GEMV for up
+  to 8 activation rows with all leading dimensions flattened, dequantize + cuBLAS above that or
+  for a shape the GEMV cannot split; the online Hadamard kernel). Where they cannot run (float32
+  activations, kernels turned off or not built, a size the Hadamard kernel does not take) the
+  CUDA implementation runs the reference and says so once.
 
-Capturing a CUDA graph needs one eager call per (device, quantizer, dtype) first, as usual:
-that call builds the kernels, uploads the small tables and allocates the matmul workspace.
+The GEMV is launched with programmatic dependent launch on Hopper (its prologue overlaps the
+previous kernel); `QPALETTE_PDL=0` turns that off. Capturing a CUDA graph needs one eager call per
+(device, quantizer, dtype) first, as usual: that call builds the kernels and uploads the tables.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Optional
@@ -30,7 +34,7 @@ from qpalette.quant.codebooks import codebook
 from qpalette.quant.hadamard import decompose, hadamard_matrix
 from qpalette.quant.incoherence import rotate_input, unpack_signs
 from qpalette.quant.palette import QuantizedMatrix, get_quantizer
-from qpalette.runtime import kernel_build
+from qpalette.runtime import kernel_build, lanes
 
 FUSED_MAX_ROWS = 8          # activation rows the fused kernel takes (mma n = 8)
 HADAMARD_MAX_N = 32768      # row length the Hadamard kernel holds in shared memory (fp32)
@@ -44,7 +48,7 @@ def rotate_reference(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize(quantizer: str, tensors: dict[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
-    """W_r = decode(codes) ⊙ row_scale (float32, rows × cols) from the stored tensors."""
+    """W_r = decode(codes) ⊙ row_scale (float32, rows × cols) from the checkpoint's tensors."""
     q = get_quantizer(quantizer)
     return q.dequantize(QuantizedMatrix(q.name, shape, tensors))
 
@@ -52,7 +56,8 @@ def dequantize(quantizer: str, tensors: dict[str, torch.Tensor], shape: tuple[in
 def quantized_matmul_reference(
     x_rot: torch.Tensor, quantizer: str, tensors: dict[str, torch.Tensor], shape: tuple[int, int]
 ) -> torch.Tensor:
-    w = dequantize(quantizer, tensors, shape)
+    """x_rot · W_rᵀ from the runtime (lane-major) tensors."""
+    w = dequantize(quantizer, lanes.unpack(quantizer, tensors, shape), shape)
     return (x_rot.float() @ w.T).to(x_rot.dtype)
 
 
@@ -73,7 +78,8 @@ def rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
 def quantized_matmul(
     x_rot: torch.Tensor, quantizer: str, tensors: dict[str, torch.Tensor], shape: tuple[int, int]
 ) -> torch.Tensor:
-    """y = x_rot · W_rᵀ for a rotated activation x_rot (..., in); returns (..., out) in x's dtype."""
+    """y = x_rot · W_rᵀ for a rotated activation x_rot (..., in) and the runtime tensors
+    (`lanes.pack` of the checkpoint's); returns (..., out) in x's dtype."""
     codes, codes_b = code_tensors(quantizer, tensors)
     return torch.ops.qpalette.quantized_matmul(x_rot, codes, codes_b, tensors["row_scale"],
                                                get_quantizer(quantizer).name, shape[0])
@@ -102,17 +108,16 @@ def _use_kernels(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype in KERNEL_DTYPES and _kernels_ok()
 
 
-def prepare(x: torch.Tensor, quantizer: str | None = None, out_features: int = 0) -> None:
-    """Allocate what the CUDA ops keep between calls (tables, matmul workspace, Hadamard factor)
-    now, eagerly: inside torch.compile's CUDA-graph trees a first allocation would land in the
-    graph pool ("tensors in the cudagraph pool not tracked as outputs"). The layers call this on
-    every eager call (a few dict lookups); compiled regions skip it. `quantizer` is a canonical
-    palette name (a layer's `quantizer.name`)."""
+def prepare(x: torch.Tensor, quantizer: str | None = None) -> None:
+    """Allocate what the CUDA ops keep between calls (tables, Hadamard factor) now, eagerly:
+    inside torch.compile's CUDA-graph trees a first allocation would land in the graph pool
+    ("tensors in the cudagraph pool not tracked as outputs"). The layers call this on every eager
+    call (a few dict lookups); compiled regions skip it. `quantizer` is a canonical palette name
+    (a layer's `quantizer.name`)."""
     if torch.compiler.is_compiling() or not _use_kernels(x):
         return
     if quantizer is not None:
         lut(quantizer, x.dtype, x.device)
-        workspace(x.device, out_features)
     elif _hadamard_ok(x.shape[-1]):
         k, _ = decompose(x.shape[-1])
         if k > 1:
@@ -167,8 +172,6 @@ def table_entries(spec: KernelSpec) -> torch.Tensor:
 
 _luts: dict[tuple, torch.Tensor] = {}
 _hks: dict[tuple, torch.Tensor] = {}
-_workspaces: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-_keep_alive: list[torch.Tensor] = []  # replaced workspaces stay valid for captured graphs
 _sms: dict[int, int] = {}
 
 
@@ -202,23 +205,6 @@ def _hadamard_factor(k: int, device: torch.device) -> torch.Tensor:
     return t
 
 
-def workspace(device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 (rows·8) partial sums and int32 (rows/16) counters; the kernel leaves them zero."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    ws = _workspaces.get(idx)
-    if ws is None or ws[0].numel() < rows * 8:
-        _not_capturing("the matmul workspace")
-        cap = max(rows, 1 << 16)
-        if ws is not None:
-            _keep_alive.extend(ws)
-        ws = (
-            torch.zeros(cap * 8, dtype=torch.float32, device=device),
-            torch.zeros(cap // 16, dtype=torch.int32, device=device),
-        )
-        _workspaces[idx] = ws
-    return ws
-
-
 def _num_sms(device: torch.device) -> int:
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _sms:
@@ -228,6 +214,11 @@ def _num_sms(device: torch.device) -> int:
 
 def _stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
+
+
+@torch.compiler.assume_constant_result
+def _pdl() -> bool:
+    return os.environ.get("QPALETTE_PDL", "1") != "0"
 
 
 # ---- custom ops: the reference for every device, the kernels for CUDA ----------------------------
@@ -297,11 +288,12 @@ def _qmm_kernels(x2, codes, codes_b, row_scale, quantizer, out_features):
     family = ext.FAMILY_CODES[spec.family]
     with torch.cuda.device(dev):
         if x2.shape[0] <= FUSED_MAX_ROWS:
-            ws, cnt = workspace(dev, out_features)
-            return ext.qmm(x2, codes, codes_b, row_scale, table, ws, cnt, family, spec.p0, spec.p1,
-                           out_features, _stream(dev), _num_sms(dev), None)
+            y = ext.gemv(x2, codes, codes_b, row_scale, table, family, spec.p0, spec.p1, out_features,
+                         _stream(dev), _num_sms(dev), _pdl())
+            if y is not None:
+                return y
         w = ext.dequant(codes, codes_b, row_scale, table, family, spec.p0, spec.p1,
-                        out_features, x2.shape[1], x2.dtype, _stream(dev), _num_sms(dev), None)
+                        out_features, x2.shape[1], x2.dtype, _stream(dev), _num_sms(dev))
         return x2 @ w.T
 
 

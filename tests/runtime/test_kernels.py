@@ -1,8 +1,9 @@
 """CUDA kernels against the pure-PyTorch reference (run with `pytest -m gpu` on a CUDA machine).
 
 Fresh random data every check: random int32 code words (any words are a valid stream of every
-format, TCQ included), random fp16 row scales and activations. Outputs the kernels write into are
-filled with NaN first, so an element nothing wrote fails the comparison.
+format, TCQ included) regrouped into the runtime's lane-major layout, random fp16 row scales and
+activations. The memory the kernels write into held NaN just before, so an element nothing wrote
+fails the comparison.
 """
 
 from __future__ import annotations
@@ -14,14 +15,15 @@ from qpalette.quant.hadamard import decompose
 from qpalette.quant.incoherence import pack_signs, random_signs, rotate_input, unpack_signs
 from qpalette.quant.palette import PALETTE, get_quantizer
 from qpalette.runtime import kernel_build as kernels
-from qpalette.runtime import ops
+from qpalette.runtime import lanes, ops
 
 pytestmark = pytest.mark.gpu
 
 DTYPES = (torch.float16, torch.bfloat16)
-# (out, in): non-powers of two in both positions, tiny ones that give warps less than a stage,
-# and the Llama shapes' large dimension (14336) on either side
-SHAPES = [(576, 1536), (1536, 576), (32, 64), (16, 32), (14336, 576), (576, 14336)]
+# (out, in): non-powers of two in both positions (576 = 36 tiles: a padded last group), tiny ones
+# (fewer groups than warps), the Llama shapes' large dimension on either side (in = 14336: clusters
+# of 4 CTAs), and in = 28672 (clusters of 8)
+SHAPES = [(576, 1536), (1536, 576), (32, 64), (16, 32), (14336, 576), (576, 14336), (1024, 4096), (256, 28672)]
 BATCHES = range(1, 10)
 TOL = 1e-2
 
@@ -33,8 +35,10 @@ def ext():
     return kernels.extension()
 
 
-def random_tensors(name: str, rows: int, cols: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    return {k: v.cuda() for k, v in get_quantizer(name).random_tensors(rows, cols, gen).items()}
+def random_tensors(name: str, rows: int, cols: int, gen: torch.Generator):
+    """(checkpoint tensors, runtime tensors) on the GPU."""
+    stored = {k: v.cuda() for k, v in get_quantizer(name).random_tensors(rows, cols, gen).items()}
+    return stored, lanes.pack(name, stored)
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -51,26 +55,29 @@ def codes_of(name: str, tensors: dict[str, torch.Tensor]):
     return tensors["codes"], None
 
 
-def run_fused(ext, name, x2, tensors, rows):
-    """The fused kernel straight through the extension, into a NaN-poisoned output."""
+def poison(shape, dtype):
+    """Fill a block of the caching allocator with NaN and free it: the kernel's output of the same
+    size, allocated next, lands there."""
+    torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+
+
+def run_fused(ext, name, x2, tensors, rows, pdl=True):
+    """The fused GEMV straight through the extension."""
     spec = ops.kernel_spec(name)
     a, b = codes_of(name, tensors)
-    ws, cnt = ops.workspace(x2.device, rows)
-    out = torch.full((x2.shape[0], rows), float("nan"), dtype=x2.dtype, device=x2.device)
-    ext.qmm(x2, a, b, tensors["row_scale"], ops.lut(name, x2.dtype, x2.device), ws, cnt, ext.FAMILY_CODES[spec.family],
-            spec.p0, spec.p1, rows, torch.cuda.current_stream().cuda_stream,
-            torch.cuda.get_device_properties(0).multi_processor_count, out)
-    return out
+    poison((x2.shape[0], rows), x2.dtype)
+    return ext.gemv(x2, a, b, tensors["row_scale"], ops.lut(name, x2.dtype, x2.device), ext.FAMILY_CODES[spec.family],
+                    spec.p0, spec.p1, rows, torch.cuda.current_stream().cuda_stream,
+                    torch.cuda.get_device_properties(0).multi_processor_count, pdl)
 
 
 def run_dequant(ext, name, tensors, shape, dtype):
     spec = ops.kernel_spec(name)
     a, b = codes_of(name, tensors)
-    out = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
-    ext.dequant(a, b, tensors["row_scale"], ops.lut(name, dtype, a.device), ext.FAMILY_CODES[spec.family], spec.p0,
-                spec.p1, shape[0], shape[1], dtype, torch.cuda.current_stream().cuda_stream,
-                torch.cuda.get_device_properties(0).multi_processor_count, out)
-    return out
+    poison(shape, dtype)
+    return ext.dequant(a, b, tensors["row_scale"], ops.lut(name, dtype, a.device), ext.FAMILY_CODES[spec.family],
+                       spec.p0, spec.p1, shape[0], shape[1], dtype, torch.cuda.current_stream().cuda_stream,
+                       torch.cuda.get_device_properties(0).multi_processor_count)
 
 
 @pytest.mark.parametrize("name", list(PALETTE))
@@ -78,14 +85,17 @@ def test_fused_matmul_every_entry(ext, name):
     gen = torch.Generator().manual_seed(hash(name) % 2**31)
     worst = {}
     for rows, cols in SHAPES:
-        tensors = random_tensors(name, rows, cols, gen)
-        w = ops.dequantize(name, tensors, (rows, cols))  # float32 reference on the GPU
+        if get_quantizer(name).family == "half-tcq" and cols % 32:
+            continue
+        stored, tensors = random_tensors(name, rows, cols, gen)
+        w = ops.dequantize(name, stored, (rows, cols))  # float32 reference on the GPU
         for dtype in DTYPES:
             for m in BATCHES:
                 x = torch.randn(m, cols, generator=gen).to(dtype).cuda()
                 ref = x.float() @ w.T
                 if m <= ops.FUSED_MAX_ROWS:
-                    y = run_fused(ext, name, x, tensors, rows)
+                    y = run_fused(ext, name, x, tensors, rows, pdl=m % 2 == 1)
+                    assert y is not None, f"the GEMV refused {rows}x{cols}"
                 else:
                     y = x @ run_dequant(ext, name, tensors, (rows, cols), dtype).T
                 torch.cuda.synchronize()
@@ -94,8 +104,6 @@ def test_fused_matmul_every_entry(ext, name):
                 y2 = ops.quantized_matmul(x.reshape(1, m, cols), name, tensors, (rows, cols))
                 assert y2.shape == (1, m, rows) and y2.dtype == dtype
                 worst[(rows, cols, str(dtype), m, "op")] = rel_err(y2.reshape(m, rows), ref)
-        ws, cnt = ops.workspace(torch.device("cuda"), rows)
-        assert not ws.any() and not cnt.any(), "the fused kernel must leave its workspace zero"
     bad = {k: v for k, v in worst.items() if not v <= TOL}
     assert not bad, f"{name}: relative error above {TOL}: {bad}"
 
@@ -105,9 +113,9 @@ def test_fused_matmul_every_entry(ext, name):
 def test_dequantize_kernel(ext, name, dtype):
     gen = torch.Generator().manual_seed(7)
     rows, cols = 1536, 576
-    tensors = random_tensors(name, rows, cols, gen)
+    stored, tensors = random_tensors(name, rows, cols, gen)
     w = run_dequant(ext, name, tensors, (rows, cols), dtype)
-    ref = ops.dequantize(name, tensors, (rows, cols))
+    ref = ops.dequantize(name, stored, (rows, cols))
     assert rel_err(w, ref) <= 4e-3
 
 
@@ -136,7 +144,7 @@ def test_hadamard_kernel(ext, n, dtype):
 
 
 def _layer(name, rows, cols, gen):
-    tensors = random_tensors(name, rows, cols, gen)
+    stored, tensors = random_tensors(name, rows, cols, gen)
     signs = pack_signs(random_signs(cols, seed=1)).cuda()
 
     def f(x):
@@ -144,7 +152,7 @@ def _layer(name, rows, cols, gen):
 
     def ref(x):
         xr = ops.rotate_reference(x.float(), signs)
-        return xr @ ops.dequantize(name, tensors, (rows, cols)).T
+        return xr @ ops.dequantize(name, stored, (rows, cols)).T
 
     return f, ref
 
@@ -168,7 +176,7 @@ def test_cuda_graph_capture(ext, name, m):
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        f(x)  # warm-up: builds, uploads tables, allocates the workspace
+        f(x)  # warm-up: builds the kernels, uploads the tables
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):

@@ -5,18 +5,21 @@ import torch
 
 from qpalette.quant.incoherence import pack_signs, random_signs
 from qpalette.quant.palette import get_quantizer
-from qpalette.runtime import ops
+from qpalette.runtime import lanes, ops
 
 
 @pytest.mark.parametrize("name", ["nuq-3", "vq-2.5", "tcq-2.0", "half-tcq-2.25"])
 def test_quantized_matmul_op_is_the_reference_on_cpu(name):
     gen = torch.Generator().manual_seed(3)
     rows, cols = 48, 64
-    tensors = get_quantizer(name).random_tensors(rows, cols, gen)
+    stored = get_quantizer(name).random_tensors(rows, cols, gen)
+    tensors = lanes.pack(name, stored)
     x = torch.randn(2, 3, cols, generator=gen)
     y = ops.quantized_matmul(x, name, tensors, (rows, cols))
     assert y.shape == (2, 3, rows)
     assert torch.equal(y, ops.quantized_matmul_reference(x, name, tensors, (rows, cols)))
+    want = (x @ ops.dequantize(name, stored, (rows, cols)).T)
+    assert torch.allclose(y, want, rtol=1e-5, atol=1e-5)
     codes, codes_b = ops.code_tensors(name, tensors)
     torch.library.opcheck(torch.ops.qpalette.quantized_matmul,
                           (x, codes, codes_b, tensors["row_scale"], get_quantizer(name).name, rows))

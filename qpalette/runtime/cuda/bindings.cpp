@@ -1,6 +1,6 @@
-// PyTorch binding of the qpalette kernels (built by qpalette/kernels.py through
+// PyTorch binding of the qpalette kernels (built by qpalette/runtime/kernel_build.py through
 // torch.utils.cpp_extension). The torch.library custom ops that torch.compile and CUDA graphs see
-// are defined in Python (qpalette/ops.py) on top of these functions.
+// are defined in Python (qpalette/runtime/ops.py) on top of these functions.
 //
 // Only torch/extension.h: the caller (Python) passes the current CUDA stream and the device's
 // multiprocessor count and makes x's device current, so no CUDA headers of PyTorch are needed.
@@ -17,7 +17,8 @@ int dtype_code(const at::Tensor& t) {
 }
 
 void check(int rc, const char* what) {
-  TORCH_CHECK(rc != -1, what, ": no kernel is built for these parameters");
+  TORCH_CHECK(rc != qp::NOT_BUILT, what, ": no kernel is built for these parameters");
+  TORCH_CHECK(rc != qp::UNSUPPORTED, what, ": shape not supported");
   TORCH_CHECK(rc == 0, what, " failed: ", qp::error_string(rc));
 }
 
@@ -26,76 +27,71 @@ void check_cuda(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
-// y (m, rows) = x (m, cols) · W_rᵀ, m ≤ 8; ws/cnt: zeroed fp32 (≥ rows·8) and int32 (≥ rows/16).
-at::Tensor qmm(const at::Tensor& x, const at::Tensor& codes_a, const c10::optional<at::Tensor>& codes_b,
-               const at::Tensor& row_scale, const at::Tensor& lut, const at::Tensor& ws,
-               const at::Tensor& cnt, int64_t family, int64_t p0, int64_t p1, int64_t rows, int64_t stream,
-               int64_t num_sms, const c10::optional<at::Tensor>& out) {
+// The lane-major code tensors (lanes.py) of a rows × cols matrix, checked.
+qp::Codes codes_of(const at::Tensor& a, const c10::optional<at::Tensor>& b, int64_t family, int64_t rows,
+                   int64_t cols) {
+  const bool half = family == qp::HALF_TCQ;
+  check_cuda(a, "codes");
+  TORCH_CHECK(a.scalar_type() == at::kInt && a.dim() == 3 && a.size(0) == rows / 16 && rows % 16 == 0,
+              "codes must be lane-major int32 (rows/16, groups, words)");
+  TORCH_CHECK(half == b.has_value(), half ? "half-TCQ needs codes_b" : "only half-TCQ takes codes_b");
+  qp::Codes c{};
+  const int64_t tiles = half ? cols / 32 : cols / 16;
+  TORCH_CHECK(cols % (half ? 32 : 16) == 0 && a.size(1) == (tiles + 7) / 8, "codes do not match the input features");
+  c.a = a.data_ptr();
+  c.groups_a = static_cast<int>(a.size(1));
+  c.tiles_a = static_cast<int>(tiles);
+  if (half) {
+    check_cuda(*b, "codes_b");
+    TORCH_CHECK(b->dim() == 3 && b->size(0) == rows / 16 && b->size(1) == (tiles + 7) / 8, "codes_b shape");
+    c.b = b->data_ptr();
+    c.groups_b = static_cast<int>(b->size(1));
+    c.tiles_b = static_cast<int>(tiles);
+  }
+  return c;
+}
+
+// y (m, rows) = x (m, cols) · W_rᵀ, m ≤ 8; returns an undefined tensor when the GEMV cannot split
+// this shape (the caller then dequantizes).
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& codes_a, const c10::optional<at::Tensor>& codes_b,
+                const at::Tensor& row_scale, const at::Tensor& lut, int64_t family, int64_t p0, int64_t p1,
+                int64_t rows, int64_t stream, int64_t num_sms, bool pdl) {
   check_cuda(x, "x");
-  check_cuda(codes_a, "codes");
   check_cuda(row_scale, "row_scale");
   check_cuda(lut, "lut");
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 8, "x must be (m ≤ 8, in)");
-  TORCH_CHECK(codes_a.scalar_type() == at::kInt && row_scale.scalar_type() == at::kHalf, "codes int32, row_scale fp16");
-  TORCH_CHECK(row_scale.numel() == rows && rows % 16 == 0, "row_scale must have out features (multiple of 16)");
-  TORCH_CHECK(ws.numel() >= rows * 8 && cnt.numel() >= rows / 16, "workspace too small");
-  const int cols = static_cast<int>(x.size(1));
-  const bool half = family == qp::HALF_TCQ;
-  TORCH_CHECK(codes_a.size(0) == rows / 16 && codes_a.size(1) == (half ? cols / 32 : cols / 16),
-              "codes shape does not match the matrix");
-  if (half) {
-    TORCH_CHECK(codes_b.has_value(), "half-TCQ needs codes_b");
-    check_cuda(*codes_b, "codes_b");
-  }
-  auto y = out.has_value() ? *out : at::empty({x.size(0), rows}, x.options());
-  TORCH_CHECK(y.is_contiguous() && y.numel() == x.size(0) * rows && y.scalar_type() == x.scalar_type(),
-              "out must be a contiguous (m, out) tensor of x's dtype");
-  qp::QmmArgs a{};
-  a.codes_a = codes_a.data_ptr();
-  a.codes_b = half ? codes_b->data_ptr() : nullptr;
+  TORCH_CHECK(row_scale.scalar_type() == at::kHalf && row_scale.numel() == rows, "row_scale: fp16 (rows,)");
+  auto y = at::empty({x.size(0), rows}, x.options());
+  qp::GemvArgs a{};
+  a.codes = codes_of(codes_a, codes_b, family, rows, x.size(1));
   a.x = x.data_ptr();
-  a.ldx = cols;
+  a.ldx = x.size(1);
   a.y = y.data_ptr();
   a.ldy = rows;
   a.row_scale = row_scale.data_ptr();
   a.lut = lut.data_ptr();
-  a.ws = ws.data_ptr<float>();
-  a.cnt = cnt.data_ptr<int>();
   a.m = static_cast<int>(x.size(0));
   a.rows = static_cast<int>(rows);
-  a.cols = cols;
+  a.cols = static_cast<int>(x.size(1));
   a.dtype = dtype_code(x);
   a.num_sms = static_cast<int>(num_sms);
+  a.pdl = pdl ? 1 : 0;
   a.stream = reinterpret_cast<void*>(stream);
-  int rc = -1;
-  switch (family) {
-    case qp::PAIR: rc = qp::qmm_pair(a, p0); break;
-    case qp::SCALAR: rc = qp::qmm_scalar(a, p0); break;
-    case qp::TCQ: rc = qp::qmm_tcq(a, p0, p1); break;
-    case qp::HALF_TCQ: rc = qp::qmm_half_tcq(a, p0, p1); break;
-  }
-  check(rc, "qpalette quantized matmul");
+  const int rc = qp::gemv(a, static_cast<int>(family), static_cast<int>(p0), static_cast<int>(p1));
+  if (rc == qp::UNSUPPORTED) return at::Tensor();
+  check(rc, "qpalette quantized GEMV");
   return y;
 }
 
 at::Tensor dequant(const at::Tensor& codes_a, const c10::optional<at::Tensor>& codes_b,
                    const at::Tensor& row_scale, const at::Tensor& lut, int64_t family, int64_t p0,
                    int64_t p1, int64_t rows, int64_t cols, at::ScalarType dtype, int64_t stream,
-                   int64_t num_sms, const c10::optional<at::Tensor>& out) {
-  check_cuda(codes_a, "codes");
+                   int64_t num_sms) {
   check_cuda(row_scale, "row_scale");
   check_cuda(lut, "lut");
-  const bool half = family == qp::HALF_TCQ;
-  if (half) {
-    TORCH_CHECK(codes_b.has_value(), "half-TCQ needs codes_b");
-    check_cuda(*codes_b, "codes_b");
-  }
-  auto w = out.has_value() ? *out : at::empty({rows, cols}, codes_a.options().dtype(dtype));
-  TORCH_CHECK(w.is_contiguous() && w.numel() == rows * cols && w.scalar_type() == dtype,
-              "out must be a contiguous (rows, cols) tensor of the given dtype");
+  auto w = at::empty({rows, cols}, codes_a.options().dtype(dtype));
   qp::DequantArgs a{};
-  a.codes_a = codes_a.data_ptr();
-  a.codes_b = half ? codes_b->data_ptr() : nullptr;
+  a.codes = codes_of(codes_a, codes_b, family, rows, cols);
   a.row_scale = row_scale.data_ptr();
   a.lut = lut.data_ptr();
   a.w = w.data_ptr();
@@ -104,14 +100,7 @@ at::Tensor dequant(const at::Tensor& codes_a, const c10::optional<at::Tensor>& c
   a.dtype = dtype_code(w);
   a.num_sms = static_cast<int>(num_sms);
   a.stream = reinterpret_cast<void*>(stream);
-  int rc = -1;
-  switch (family) {
-    case qp::PAIR: rc = qp::dequant_pair(a, p0); break;
-    case qp::SCALAR: rc = qp::dequant_scalar(a, p0); break;
-    case qp::TCQ: rc = qp::dequant_tcq(a, p0, p1); break;
-    case qp::HALF_TCQ: rc = qp::dequant_half_tcq(a, p0, p1); break;
-  }
-  check(rc, "qpalette dequantize");
+  check(qp::dequant(a, static_cast<int>(family), static_cast<int>(p0), static_cast<int>(p1)), "qpalette dequantize");
   return w;
 }
 
@@ -146,7 +135,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   families["tcq"] = static_cast<int>(qp::TCQ);
   families["half-tcq"] = static_cast<int>(qp::HALF_TCQ);
   m.attr("FAMILY_CODES") = families;
-  m.def("qmm", &qmm, "fused dequantize + matmul, batch ≤ 8");
+  m.def("gemv", &gemv, "fused dequantize + matmul, batch ≤ 8 (undefined result: shape not supported)");
   m.def("dequant", &dequant, "dequantize to a dense matrix");
   m.def("hadamard", &hadamard, "y = H(s ⊙ x) over rows");
 }

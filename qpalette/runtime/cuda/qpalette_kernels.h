@@ -8,29 +8,36 @@ namespace qp {
 
 enum Family : int { PAIR = 0, SCALAR = 1, TCQ = 2, HALF_TCQ = 3 };
 enum DType : int { F16 = 0, BF16 = 1 };
+enum Status : int { OK = 0, NOT_BUILT = -1, UNSUPPORTED = -2 };
+
+// Lane-major code tensors (qpalette/runtime/lanes.py): (rows/16, groups, 32·words) int32 each;
+// half-TCQ has two, over the first and second half of the input columns.
+struct Codes {
+  const void* a;
+  const void* b;    // half-TCQ only, else nullptr
+  int groups_a, tiles_a;  // groups and real (unpadded) 16-column tiles a row tile
+  int groups_b, tiles_b;
+};
 
 // y[m, rows] = x[m, cols] · (decode(codes) ⊙ row_scale)ᵀ for 1 ≤ m ≤ 8.
-struct QmmArgs {
-  const void* codes_a;    // int32 (rows/16, cols/16 or cols/32, W) — the only codes unless half-TCQ
-  const void* codes_b;    // half-TCQ: second half of the input columns; else nullptr
+struct GemvArgs {
+  Codes codes;
   const void* x;          // activations (m, ldx) in dtype
   long long ldx;
   void* y;                // output (m, ldy) in dtype
   long long ldy;
   const void* row_scale;  // fp16 (rows,)
-  const void* lut;        // 32-bit table entries: value pairs in dtype (scalar: value in low half)
-  float* ws;              // fp32 (rows, 8), zero on entry, left zero
-  int* cnt;               // int32 (rows/16,), zero on entry, left zero
+  const void* lut;        // the codebook: 32-bit entries, value pairs in dtype (scalar: low half)
   int m, rows, cols;
   int dtype;
   int num_sms;
+  int pdl;                // launch as a programmatic dependent launch (Hopper)
   void* stream;           // cudaStream_t
 };
 
 // W_r = decode(codes) ⊙ row_scale as a dense (rows, cols) matrix in dtype.
 struct DequantArgs {
-  const void* codes_a;
-  const void* codes_b;
+  Codes codes;
   const void* row_scale;
   const void* lut;
   void* w;
@@ -41,16 +48,10 @@ struct DequantArgs {
 };
 
 // p0, p1: family parameters — PAIR: code bits per pair; SCALAR: bits; TCQ: KV, Q;
-// HALF_TCQ: KV of the first half (the second is KV + 1), Q. Return 0 or a cudaError_t value;
-// -1 for parameters no kernel is built for.
-int qmm_pair(const QmmArgs& a, int cb);
-int qmm_scalar(const QmmArgs& a, int b);
-int qmm_tcq(const QmmArgs& a, int kv, int q);
-int qmm_half_tcq(const QmmArgs& a, int kv_a, int q);
-int dequant_pair(const DequantArgs& a, int cb);
-int dequant_scalar(const DequantArgs& a, int b);
-int dequant_tcq(const DequantArgs& a, int kv, int q);
-int dequant_half_tcq(const DequantArgs& a, int kv_a, int q);
+// HALF_TCQ: KV of the first half (the second is KV + 1), Q. Return OK, a cudaError_t value,
+// NOT_BUILT for parameters no kernel is built for, UNSUPPORTED for a shape the GEMV cannot split.
+int gemv(const GemvArgs& a, int family, int p0, int p1);
+int dequant(const DequantArgs& a, int family, int p0, int p1);
 
 // y = H(s ⊙ x) row by row: x, y (rows, n) in dtype; signs bit-packed (n/8); hk the ±1 int8
 // factor H_K (K·K, row-major; nullptr when K = 1); n = K·p2, p2 a power of two.

@@ -1,0 +1,559 @@
+// Fused dequantize + GEMV for batch 1..8 on the lane-major layout, and the dequantize kernel
+// (batch > 8: then cuBLAS), both reading the same packed codes.
+//
+// Persistent grid, one CTA an SM, optionally clusters of CS CTAs splitting K. Cluster q owns row
+// tiles [q·RT/ncl, (q+1)·RT/ncl); CTA rank r owns groups [r·cgc, (r+1)·cgc) of the padded K
+// axis; warp w owns NG = 2 of those groups (16 tiles) for the whole kernel and keeps their
+// activation B fragments in registers. An "item" = (row tile, the warp's groups): NG blocks of
+// coalesced 16-byte loads straight into registers, RR − 1 items in flight (a register ring).
+// Each tile: the lane's windows (TCQ: + one shuffle a word for the halo from lane ℓ+1), one
+// table lookup a register pair, one mma.m16n8k16 with the batch as n = 8, so per-tile work does
+// not grow with the batch. Every RR row tiles (a round) each warp stores its 16×8 fp32 partial in
+// shared memory; warps 0..RR−1 sum them over the warps in a fixed order, scale and write y. The
+// warps meet by named barriers as producers and consumers (bar.arrive/bar.sync): only the
+// reducers wait for a round's partials; the others wait only for the buffer of two rounds back.
+// With CS > 1 the CTA sums go to rank 0 through distributed shared memory. No global atomics, no
+// workspace, deterministic. The table, the codes of the first items and the row scales are
+// fetched before `griddepcontrol.wait`: with programmatic dependent launch that prologue
+// overlaps the previous kernel; x is read and y written only after it.
+// half-TCQ: segment 0 (codes_a, the first half of the columns) and segment 1 (codes_b) are
+// consecutive ranges of groups; a warp decodes each group with its segment's decoder.
+#pragma once
+
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <type_traits>
+
+#include "qpalette_kernels.h"
+#include "qpalette_lanes.cuh"
+
+namespace qp {
+
+constexpr int NG = 2;        // groups a warp owns
+constexpr int MAX_WARPS = 16;
+
+template <class T>
+struct Act;
+template <>
+struct Act<__half> {
+  static __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+  static __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
+  static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+template <>
+struct Act<__nv_bfloat16> {
+  static __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+  static __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
+  static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+struct Segment {
+  const uint4* codes;  // (RT, cg, 32·WPG) int32
+  int cg;              // groups a row tile
+  int ct;              // real tiles a row tile (the rest of the last group is padding)
+  int col0;            // first input column
+};
+
+struct GemvParams {
+  Segment seg[2];      // seg[1] only for half-TCQ (else seg[1].cg == 0)
+  const char* x;       // (m, ldx) activations
+  long long ldx;
+  char* y;             // (m, ldy)
+  long long ldy;
+  const __half* row_scale;
+  const uint32_t* lut; // source table, 2^LOG2E words
+  int m, rt;
+  int cs, cgc, ncl;    // cluster size, groups a CTA, clusters
+  int nw;              // warps a CTA
+};
+
+// Hopper features (programmatic dependent launch, clusters); on sm_80 the launcher uses neither.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+__device__ __forceinline__ int cluster_rank() { return static_cast<int>(cooperative_groups::this_cluster().block_rank()); }
+__device__ __forceinline__ void cluster_sync() { cooperative_groups::this_cluster().sync(); }
+__device__ __forceinline__ float4* cluster_rank0(float4* p) { return cooperative_groups::this_cluster().map_shared_rank(p, 0); }
+#else
+__device__ __forceinline__ void pdl_launch_dependents() {}
+__device__ __forceinline__ void pdl_wait() {}
+__device__ __forceinline__ int cluster_rank() { return 0; }
+__device__ __forceinline__ void cluster_sync() { __trap(); }
+__device__ __forceinline__ float4* cluster_rank0(float4* p) { return p; }
+#endif
+
+__device__ __forceinline__ uint4 ld_stream4(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint2 ld_stream2(const uint2* p) {
+  uint2 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint32_t ld_stream1(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];\n" : "=r"(v) : "l"(p));
+  return v;
+}
+
+// lane's WPG words of the block at `blk` (planes: block_word)
+template <int WPG>
+__device__ __forceinline__ void load_group(uint32_t* c, const uint4* blk, int lane) {
+  constexpr int P4 = WPG / 4, REM = WPG % 4;
+#pragma unroll
+  for (int p = 0; p < P4; ++p) {
+    const uint4 v = ld_stream4(blk + p * 32 + lane);
+    c[4 * p] = v.x; c[4 * p + 1] = v.y; c[4 * p + 2] = v.z; c[4 * p + 3] = v.w;
+  }
+  const uint32_t* tail = reinterpret_cast<const uint32_t*>(blk + P4 * 32);
+  if constexpr (REM >= 2) {
+    const uint2 v = ld_stream2(reinterpret_cast<const uint2*>(tail) + lane);
+    c[4 * P4] = v.x; c[4 * P4 + 1] = v.y;
+  }
+  if constexpr (REM % 2) c[WPG - 1] = ld_stream1(tail + (REM >= 2 ? 64 : 0) + lane);
+}
+
+// the words of lanes ℓ+1 (and ℓ+2) that TCQ windows reach into
+template <class D>
+__device__ __forceinline__ void halo(const uint32_t* c, uint32_t* nb, int lane) {
+#pragma unroll
+  for (int h = 0; h < D::HALO; ++h)
+#pragma unroll
+    for (int q = 0; q < D::WPG; ++q) nb[h * D::WPG + q] = __shfl_sync(0xffffffffu, c[q], (lane + 1 + h) & 31);
+}
+
+// the 8 tiles of one group into the accumulators (two chains: half the mma dependency chain)
+template <class D, class T>
+__device__ __forceinline__ void group_mma(const uint32_t* c, int lane, const uint32_t* lut, uint32_t lanebits,
+                                          const uint32_t (*bx)[2], float (&a0)[4], float (&a1)[4]) {
+  uint32_t nb[D::HALO ? D::HALO * D::WPG : 1];
+  halo<D>(c, nb, lane);
+  auto one = [&](auto u_const) {
+    constexpr int U = decltype(u_const)::value;
+    uint32_t a[4];
+    D::template tile<U>(c, nb, lut, lanebits, a);
+    if constexpr (U % 2) Act<T>::mma(a1, a, bx[U][0], bx[U][1]);
+    else Act<T>::mma(a0, a, bx[U][0], bx[U][1]);
+  };
+  one(std::integral_constant<int, 0>{}); one(std::integral_constant<int, 1>{});
+  one(std::integral_constant<int, 2>{}); one(std::integral_constant<int, 3>{});
+  one(std::integral_constant<int, 4>{}); one(std::integral_constant<int, 5>{});
+  one(std::integral_constant<int, 6>{}); one(std::integral_constant<int, 7>{});
+}
+
+template <class DA, class DB>
+struct Pair {
+  static constexpr int WMAX = DA::WPG > DB::WPG ? DA::WPG : DB::WPG;
+  static constexpr bool TWO = !std::is_same<DA, DB>::value;
+  static constexpr int RR = NG * WMAX <= 12 ? 3 : 2;  // ring depth (prototype sweep: 3 up to 12 words)
+  using L = typename DB::L;
+  static_assert(DA::L::WORDS == DB::L::WORDS && DA::L::C == DB::L::C, "the two halves share one table");
+};
+
+__host__ __device__ constexpr size_t red_bytes(int rr, int nw) { return size_t(2) * rr * nw * 32 * 16; }
+__host__ __device__ constexpr size_t xs_bytes(int cgc, int m) { return size_t(m) * (cgc * 64 + 4) * 4; }
+__host__ __device__ constexpr size_t cpart_bytes(int rr, int cs) { return cs > 1 ? size_t(2) * cs * rr * 32 * 16 : 0; }
+template <class L>
+__host__ __device__ constexpr size_t gemv_smem(int rr, int nw, int cgc, int cs, int m) {
+  return size_t(L::WORDS) * 4 + (red_bytes(rr, nw) > xs_bytes(cgc, m) ? red_bytes(rr, nw) : xs_bytes(cgc, m)) +
+         cpart_bytes(rr, cs);
+}
+
+// the table, replicated C times, 16-byte stores (C ≥ 4)
+template <class L>
+__device__ __forceinline__ void fill_table(uint32_t* lut, const uint32_t* src) {
+  uint4* l4 = reinterpret_cast<uint4*>(lut);
+  for (int i = threadIdx.x; i < L::WORDS / 4; i += blockDim.x) {
+    const uint32_t v = L::entry(src, (4 * i) >> L::LOGC);
+    l4[i] = make_uint4(v, v, v, v);
+  }
+}
+
+// activations of this CTA's padded columns → shared memory (zeros on padding tiles)
+template <class T>
+__device__ __forceinline__ void stage_x(const GemvParams& p, uint32_t* xs, int rank) {
+  const int chunks = p.cgc * 16;  // 8 elements each
+  const int xsw = p.cgc * 64 + 4;
+  for (int i = threadIdx.x; i < p.m * chunks; i += blockDim.x) {
+    const int r = i / chunks, ch = i - r * chunks;
+    const int gg = rank * p.cgc + ch / 16;  // global group
+    const int s = gg >= p.seg[0].cg;
+    const int lt = (gg - (s ? p.seg[0].cg : 0)) * 8 + (ch & 15) / 2;  // tile inside the segment
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (gg < p.seg[0].cg + p.seg[1].cg && lt < (s ? p.seg[1].ct : p.seg[0].ct))
+      v = __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(p.x) + r * p.ldx +
+                                               (s ? p.seg[1].col0 : 0) + lt * 16 + (ch & 1) * 8));
+    *reinterpret_cast<uint4*>(xs + r * xsw + 4 * ch) = v;
+  }
+}
+
+template <class DA, class DB, class T>
+__global__ void __launch_bounds__(MAX_WARPS * 32, 1) gemv_kernel(const GemvParams p) {
+  using PR = Pair<DA, DB>;
+  using L = typename PR::L;
+  constexpr int RR = PR::RR, WMAX = PR::WMAX;
+  extern __shared__ __align__(16) uint32_t smem[];
+  uint32_t* lut = smem;
+  uint32_t* xs = smem + L::WORDS;  // x staging, then the reduction buffer [2][RR][NW][32] float4
+  float4* red = reinterpret_cast<float4*>(xs);
+  const int nw = p.nw, nt = nw * 32;
+  const size_t ub = red_bytes(RR, nw) > xs_bytes(p.cgc, p.m) ? red_bytes(RR, nw) : xs_bytes(p.cgc, p.m);
+  float4* cpart = reinterpret_cast<float4*>(reinterpret_cast<char*>(xs) + ub);  // [2][CS][RR][32]
+
+  pdl_launch_dependents();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int rank = p.cs > 1 ? cluster_rank() : 0;
+  const int cl = blockIdx.x / p.cs;
+  const int r0 = static_cast<int>(static_cast<long long>(cl) * p.rt / p.ncl);
+  const int r1 = static_cast<int>(static_cast<long long>(cl + 1) * p.rt / p.ncl);
+  const int nrows = r1 - r0;
+  const int gtot = p.seg[0].cg + p.seg[1].cg;
+  const int gend = min((rank + 1) * p.cgc, gtot);
+
+  // this warp's groups: segment, first block (row r0) and row stride, in uint4
+  const uint4* gp[NG];
+  size_t gstride[NG];
+  bool gv[NG], gb[NG];
+#pragma unroll
+  for (int g = 0; g < NG; ++g) {
+    const int gg = rank * p.cgc + warp * NG + g;
+    gv[g] = gg < gend;
+    gb[g] = PR::TWO && gg >= p.seg[0].cg;
+    const int blk4 = 8 * (gb[g] ? DB::WPG : DA::WPG);
+    gstride[g] = static_cast<size_t>(gb[g] ? p.seg[1].cg : p.seg[0].cg) * blk4;
+    gp[g] = (gb[g] ? p.seg[1].codes : p.seg[0].codes) + static_cast<size_t>(r0) * gstride[g] +
+            static_cast<size_t>(gg - (gb[g] ? p.seg[0].cg : 0)) * blk4;
+  }
+  uint32_t code[RR][NG][WMAX];
+  auto load_item = [&](uint32_t (&c)[NG][WMAX], int it) {
+#pragma unroll
+    for (int g = 0; g < NG; ++g) {
+      if (!gv[g]) continue;
+      const uint4* blk = gp[g] + it * gstride[g];
+      if (PR::TWO && gb[g]) load_group<DB::WPG>(c[g], blk, lane);
+      else load_group<DA::WPG>(c[g], blk, lane);
+    }
+  };
+  // 1. the codes of the first items, then the table, while they are in flight
+#pragma unroll
+  for (int s = 0; s < RR - 1; ++s)
+    if (s < nrows) load_item(code[s], s);
+  fill_table<L>(lut, p.lut);
+  // 2. x may be written by the previous kernel: wait for it (no-op without PDL)
+  pdl_wait();
+  stage_x<T>(p, xs, rank);
+  if (p.cs > 1) cluster_sync();  // also: every CTA of the cluster has started (DSMEM)
+  else __syncthreads();
+  uint32_t bx[NG * 8][2];
+  {
+    const int gq = lane >> 2;
+    const bool xv = gq < p.m;
+    const uint32_t* xr = xs + (xv ? gq : 0) * (p.cgc * 64 + 4) + warp * NG * 64 + (lane & 3);
+#pragma unroll
+    for (int t = 0; t < NG * 8; ++t) {
+      const bool ok = xv && gv[t / 8];
+      bx[t][0] = ok ? xr[8 * t] : 0u;
+      bx[t][1] = ok ? xr[8 * t + 4] : 0u;
+    }
+  }
+  __syncthreads();  // the x buffer becomes the reduction buffer
+
+  const uint32_t lanebits = static_cast<uint32_t>(lane & (L::C - 1)) << 2;
+  const int nrounds = (nrows + RR - 1) / RR;
+  const bool reducer = warp < RR;
+  const int gq = lane >> 2, n0 = 2 * (lane & 3), n1 = n0 + 1;
+  int buf = 0;
+  for (int rd = 0; rd < nrounds; ++rd) {
+    const int rl = rd * RR + warp, row = r0 + rl;
+    const bool doit = reducer && row < r1;
+    float sa = 0.f, sb = 0.f;  // this round's row scales, fetched now, used after the items
+    if (doit) {
+      sa = __half2float(p.row_scale[row * 16 + gq]);
+      sb = __half2float(p.row_scale[row * 16 + gq + 8]);
+    }
+    if (p.cs == 1 && !reducer && rd >= 2) asm volatile("bar.sync %0, %1;\n" ::"r"(3 + buf), "r"(nt) : "memory");
+#pragma unroll
+    for (int rr = 0; rr < RR; ++rr) {
+      const int it = rd * RR + rr;
+      if (it + RR - 1 < nrows) load_item(code[(rr + RR - 1) % RR], it + RR - 1);
+      if (it < nrows) {
+        float a0[4] = {0.f, 0.f, 0.f, 0.f}, a1[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int g = 0; g < NG; ++g) {
+          if (!gv[g]) continue;
+          if (PR::TWO && gb[g]) group_mma<DB, T>(code[rr][g], lane, lut, lanebits, bx + 8 * g, a0, a1);
+          else group_mma<DA, T>(code[rr][g], lane, lut, lanebits, bx + 8 * g, a0, a1);
+        }
+        red[((buf * RR + rr) * nw + warp) * 32 + lane] =
+            make_float4(a0[0] + a1[0], a0[1] + a1[1], a0[2] + a1[2], a0[3] + a1[3]);
+      }
+    }
+    if (p.cs == 1) {
+      if (reducer) asm volatile("bar.sync %0, %1;\n" ::"r"(1 + buf), "r"(nt) : "memory");
+      else asm volatile("bar.arrive %0, %1;\n" ::"r"(1 + buf), "r"(nt) : "memory");
+    } else {
+      __syncthreads();
+    }
+    float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (doit) {  // row tile rd·RR + warp, summed over the warps in a fixed order
+      const float4* rp = red + ((buf * RR + warp) * nw) * 32 + lane;
+      for (int w2 = 0; w2 < nw; ++w2) {
+        const float4 v = rp[w2 * 32];
+        s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
+      }
+    }
+    if (p.cs == 1) {  // this buffer is free again (the bar.sync of round rd + 2)
+      if (reducer && rd + 2 < nrounds) asm volatile("bar.arrive %0, %1;\n" ::"r"(3 + buf), "r"(nt) : "memory");
+    } else {
+      if (doit) cluster_rank0(cpart)[((buf * p.cs + rank) * RR + warp) * 32 + lane] = s;
+      cluster_sync();
+      if (rank == 0 && doit) {
+        s = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int c = 0; c < p.cs; ++c) {
+          const float4 v = cpart[((buf * p.cs + c) * RR + warp) * 32 + lane];
+          s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
+        }
+      }
+    }
+    if (doit && rank == 0) {
+      T* y = reinterpret_cast<T*>(p.y);
+      const int ra = row * 16 + gq, rb = ra + 8;
+      if (n0 < p.m) {
+        y[n0 * p.ldy + ra] = Act<T>::from_float(s.x * sa);
+        y[n0 * p.ldy + rb] = Act<T>::from_float(s.z * sb);
+      }
+      if (n1 < p.m) {
+        y[n1 * p.ldy + ra] = Act<T>::from_float(s.y * sa);
+        y[n1 * p.ldy + rb] = Act<T>::from_float(s.w * sb);
+      }
+    }
+    buf ^= 1;
+  }
+}
+
+// ---- dequantize: one warp a block (grid-stride), W_r = decode ⊙ row_scale in dtype ----------------
+
+struct DequantParams {
+  Segment seg[2];
+  const __half* row_scale;
+  const uint32_t* lut;
+  char* w;
+  int rt, cols;
+};
+
+template <class D, class T>
+__device__ __forceinline__ void dequant_group(const DequantParams& p, const Segment& s, int i, int g,
+                                              const uint32_t* lut, int lane) {
+  uint32_t c[D::WPG], nb[D::HALO ? D::HALO * D::WPG : 1];
+  load_group<D::WPG>(c, s.codes + (static_cast<size_t>(i) * s.cg + g) * 8 * D::WPG, lane);
+  halo<D>(c, nb, lane);
+  const uint32_t lanebits = static_cast<uint32_t>(lane & (D::L::C - 1)) << 2;
+  const int gq = lane >> 2, cq = lane & 3;
+  const float sa = __half2float(p.row_scale[i * 16 + gq]), sb = __half2float(p.row_scale[i * 16 + gq + 8]);
+  T* out = reinterpret_cast<T*>(p.w);
+  auto one = [&](auto u_const) {
+    constexpr int U = decltype(u_const)::value;
+    const int lt = g * 8 + U;
+    if (lt >= s.ct) return;
+    uint32_t a[4];
+    D::template tile<U>(c, nb, lut, lanebits, a);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int rr = i * 16 + gq + 8 * (k & 1);
+      const int cc = s.col0 + lt * 16 + 2 * cq + 8 * (k >> 1);
+      const float sc = k & 1 ? sb : sa;
+      const T* in = reinterpret_cast<const T*>(&a[k]);
+      T v[2] = {Act<T>::from_float(Act<T>::to_float(in[0]) * sc), Act<T>::from_float(Act<T>::to_float(in[1]) * sc)};
+      *reinterpret_cast<uint32_t*>(out + static_cast<long long>(rr) * p.cols + cc) = *reinterpret_cast<uint32_t*>(v);
+    }
+  };
+  one(std::integral_constant<int, 0>{}); one(std::integral_constant<int, 1>{});
+  one(std::integral_constant<int, 2>{}); one(std::integral_constant<int, 3>{});
+  one(std::integral_constant<int, 4>{}); one(std::integral_constant<int, 5>{});
+  one(std::integral_constant<int, 6>{}); one(std::integral_constant<int, 7>{});
+}
+
+template <class DA, class DB, class T>
+__global__ void __launch_bounds__(256) dequant_kernel(const DequantParams p) {
+  using L = typename Pair<DA, DB>::L;
+  extern __shared__ __align__(16) uint32_t smem[];
+  fill_table<L>(smem, p.lut);
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  const int gtot = p.seg[0].cg + p.seg[1].cg;
+  const long long total = static_cast<long long>(p.rt) * gtot;
+  const long long nwarps = static_cast<long long>(gridDim.x) * (blockDim.x >> 5);
+  for (long long b = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); b < total; b += nwarps) {
+    const int i = static_cast<int>(b / gtot), gg = static_cast<int>(b - static_cast<long long>(i) * gtot);
+    if (Pair<DA, DB>::TWO && gg >= p.seg[0].cg) dequant_group<DB, T>(p, p.seg[1], i, gg - p.seg[0].cg, smem, lane);
+    else dequant_group<DA, T>(p, p.seg[0], i, gg, smem, lane);
+  }
+}
+
+// ---- host launchers ------------------------------------------------------------------------------
+
+inline void segments(const Codes& c, Segment (&seg)[2]) {
+  seg[0] = {static_cast<const uint4*>(c.a), c.groups_a, c.tiles_a, 0};
+  seg[1] = {static_cast<const uint4*>(c.b ? c.b : c.a), c.b ? c.groups_b : 0, c.b ? c.tiles_b : 0,
+            c.tiles_a * 16};
+}
+
+struct DeviceInfo {
+  int smem_optin = 0;  // bytes of shared memory a block may opt in to
+  int major = 0;
+};
+
+inline int device_info(DeviceInfo& d) {
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&d.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, dev);
+  return e;
+}
+
+// Co-resident CTAs (cs = 1) or clusters (cs > 1) of this kernel configuration, cached: the query
+// costs more than a launch.
+template <class K>
+int resident(K kern, const cudaLaunchConfig_t& cfg, int cs, int num_sms, int& out) {
+  static std::mutex mu;
+  static std::map<std::tuple<const void*, int, int, unsigned, size_t>, int> cache;
+  int dev = 0;
+  cudaGetDevice(&dev);
+  const auto key = std::make_tuple(reinterpret_cast<const void*>(kern), dev, cs, cfg.blockDim.x, cfg.dynamicSmemBytes);
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    int n = 0;
+    cudaError_t e;
+    if (cs > 1) {
+      e = cudaOccupancyMaxActiveClusters(&n, kern, &cfg);
+    } else {
+      e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kern, cfg.blockDim.x, cfg.dynamicSmemBytes);
+      n *= num_sms;
+    }
+    if (e != cudaSuccess) return e;
+    it = cache.emplace(key, n > 0 ? n : 1).first;
+  }
+  out = it->second;
+  return cudaSuccess;
+}
+
+template <class DA, class DB, class T>
+int launch_gemv(const GemvArgs& a) {
+  using PR = Pair<DA, DB>;
+  using L = typename PR::L;
+  auto kern = gemv_kernel<DA, DB, T>;
+  DeviceInfo dev;
+  if (int e = device_info(dev)) return e;
+  GemvParams p{};
+  segments(a.codes, p.seg);
+  const int gtot = p.seg[0].cg + p.seg[1].cg;
+  p.rt = a.rows / 16;
+  if (p.rt == 0 || a.m == 0) return OK;
+  // the smallest K split (1 CTA, or clusters of 2, 4, 8 on Hopper) whose warps and shared memory fit
+  int cs = 0, nw = 0, cgc = 0;
+  size_t smem = 0;
+  for (int c = 1; c <= (dev.major >= 9 ? 8 : 1); c *= 2) {
+    const int g = (gtot + c - 1) / c, w = (g + NG - 1) / NG;
+    const size_t s = gemv_smem<L>(PR::RR, w, g, c, a.m);
+    if (w <= MAX_WARPS && s <= static_cast<size_t>(dev.smem_optin)) {
+      cs = c, nw = w, cgc = g, smem = s;
+      break;
+    }
+  }
+  if (cs == 0) return UNSUPPORTED;
+  static bool attr_set[64];
+  int d = 0;
+  cudaGetDevice(&d);
+  if (d < 0 || d >= 64) return UNSUPPORTED;
+  if (!attr_set[d]) {
+    if (cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, dev.smem_optin)) return e;
+    attr_set[d] = true;
+  }
+  cudaLaunchAttribute attrs[2];
+  int na = 0;
+  cudaLaunchConfig_t cfg{};
+  cfg.blockDim = dim3(nw * 32);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = static_cast<cudaStream_t>(a.stream);
+  if (cs > 1) {
+    attrs[na].id = cudaLaunchAttributeClusterDimension;
+    attrs[na].val.clusterDim.x = cs;
+    attrs[na].val.clusterDim.y = 1;
+    attrs[na].val.clusterDim.z = 1;
+    ++na;
+  }
+  cfg.attrs = attrs;
+  cfg.numAttrs = na;
+  cfg.gridDim = dim3(cs);  // the occupancy query wants a whole cluster
+  int slots = 0;
+  if (int e = resident(kern, cfg, cs, a.num_sms, slots)) return e;
+  p.ncl = p.rt < slots ? p.rt : slots;
+  p.cs = cs;
+  p.cgc = cgc;
+  p.nw = nw;
+  p.x = static_cast<const char*>(a.x);
+  p.ldx = a.ldx;
+  p.y = static_cast<char*>(a.y);
+  p.ldy = a.ldy;
+  p.row_scale = static_cast<const __half*>(a.row_scale);
+  p.lut = static_cast<const uint32_t*>(a.lut);
+  p.m = a.m;
+  cfg.gridDim = dim3(p.ncl * cs);
+  if (a.pdl && dev.major >= 9) {
+    attrs[na].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[na].val.programmaticStreamSerializationAllowed = 1;
+    cfg.numAttrs = ++na;
+  }
+  if (cudaError_t e = cudaLaunchKernelEx(&cfg, kern, p)) return e;
+  return cudaGetLastError();
+}
+
+template <class DA, class DB, class T>
+int launch_dequant(const DequantArgs& a) {
+  using L = typename Pair<DA, DB>::L;
+  auto kern = dequant_kernel<DA, DB, T>;
+  constexpr size_t smem = size_t(L::WORDS) * 4;
+  static bool attr_set[64];
+  int d = 0;
+  cudaGetDevice(&d);
+  if (d < 0 || d >= 64) return UNSUPPORTED;
+  if (!attr_set[d]) {
+    if (cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)) return e;
+    attr_set[d] = true;
+  }
+  DequantParams p{};
+  segments(a.codes, p.seg);
+  p.row_scale = static_cast<const __half*>(a.row_scale);
+  p.lut = static_cast<const uint32_t*>(a.lut);
+  p.w = static_cast<char*>(a.w);
+  p.rt = a.rows / 16;
+  p.cols = a.cols;
+  const long long blocks = static_cast<long long>(p.rt) * (p.seg[0].cg + p.seg[1].cg);
+  if (blocks == 0) return OK;
+  long long grid = (blocks + 8 * 8 - 1) / (8 * 8);  // ≥ 8 blocks a warp
+  if (grid > a.num_sms) grid = a.num_sms;
+  kern<<<static_cast<int>(grid), 256, smem, static_cast<cudaStream_t>(a.stream)>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace qp

@@ -1,0 +1,189 @@
+// The lane-major code layout (qpalette/runtime/lanes.py) and the decoders that turn one lane's
+// words into mma.m16n8k16 A-fragment registers. Host + device code, so a host test can emulate a
+// warp on the same source (tests/runtime/lanes_emulator.cpp); no PyTorch headers.
+//
+// A group is 8 tiles of one row tile. Lane ℓ holds WPG = W/4 words of it: its own W bits of each
+// tile (tile stream bits ℓ·W .. ℓ·W + W), tile 0 first, MSB first. TCQ windows that run past a
+// lane's own bits continue in lane ℓ+1's (lane 31 → lane 0: the tail-biting wrap); the kernel
+// passes those words in `nb`, fetched by one shuffle a word.
+//
+// Tables live in shared memory, entry e's copy c at word e·C + c (C copies, lane ℓ reads copy
+// ℓ mod C, so a warp's lookups never conflict while C = 32). TCQ tables are sign-folded: entries
+// 2^Q..2^(Q+1)-1 hold the first 2^Q with x negated, so bit 15 of the hash selects the entry.
+#pragma once
+
+#include <stdint.h>
+
+#ifdef __CUDACC__
+#define QP_HD __host__ __device__ __forceinline__
+#else
+#define QP_HD inline
+#endif
+
+namespace qp {
+
+constexpr int GROUP_TILES = 8;
+constexpr int LUT_MAX_WORDS = 32768;  // 128 KB
+
+QP_HD uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t s) {
+#ifdef __CUDA_ARCH__
+  return __byte_perm(a, b, s);
+#else
+  const uint64_t v = (static_cast<uint64_t>(b) << 32) | a;
+  uint32_t r = 0;
+  for (int i = 0; i < 4; ++i) r |= static_cast<uint32_t>((v >> (8 * ((s >> (4 * i)) & 7u))) & 0xFFu) << (8 * i);
+  return r;
+#endif
+}
+
+// Bits [pos, pos+len) of the MSB-first stream (a:b), moved to start at bit `shl`; bits outside
+// the field are garbage. Constant arguments after unrolling: one funnel shift.
+QP_HD uint32_t field(uint32_t a, uint32_t b, int pos, int len, int shl) {
+  const int r = 64 - pos - len - shl;
+  const uint64_t v = (static_cast<uint64_t>(a) << 32) | b;
+  return r >= 0 ? static_cast<uint32_t>(v >> r) : static_cast<uint32_t>(v << (-r));
+}
+
+// `field` over a lane's WPG words (words past the end read as 0).
+template <int WPG>
+QP_HD uint32_t lane_field(const uint32_t* c, int pos, int len, int shl) {
+  const int i = pos >> 5;
+  return field(c[i], i + 1 < WPG ? c[i + 1] : 0u, pos & 31, len, shl);
+}
+
+template <int LOG2E, int FOLD>  // 2^LOG2E table entries, sign-folded (FOLD = 1) or not
+struct LutGeom {
+  static constexpr int STORED = 1 << (LOG2E + FOLD);
+  static constexpr int LOGC = (15 - LOG2E - FOLD) < 5 ? (15 - LOG2E - FOLD) : 5;
+  static constexpr int C = 1 << LOGC;
+  static constexpr int WORDS = STORED * C;
+  static constexpr int ESHIFT = 2 + LOGC;  // byte offset of entry e = e << ESHIFT
+  static constexpr uint32_t MASK = static_cast<uint32_t>(STORED - 1) << ESHIFT;
+  static_assert(WORDS <= LUT_MAX_WORDS && C >= 4, "table geometry");
+  // stored entry e from the E source entries (x negated in the folded half)
+  static QP_HD uint32_t entry(const uint32_t* src, int e) {
+    return src[e & ((1 << LOG2E) - 1)] ^ (e >> LOG2E ? 0x8000u : 0u);
+  }
+};
+
+QP_HD uint32_t lds(const uint32_t* lut, uint32_t byte_off) {
+  return *reinterpret_cast<const uint32_t*>(reinterpret_cast<const char*>(lut) + byte_off);
+}
+
+// (v & mask) | bits in one LOP3 (left to itself nvcc sometimes masks twice)
+QP_HD uint32_t and_or(uint32_t v, uint32_t mask, uint32_t bits) {
+#ifdef __CUDA_ARCH__
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(v), "r"(mask), "r"(bits));
+  return r;
+#else
+  return (v & mask) | bits;
+#endif
+}
+
+// ---- decoders: tile<U>(c, nb, lut, lanebits, a) = A registers of tile U of the group -------------
+
+template <int CB>  // pair codes of CB bits (VQ with CB = 2·bits; NUQ-b ≤ 5 as 2b-bit pairs)
+struct PairLanes {
+  static constexpr int TW = 4 * CB;  // bits of one lane in one tile
+  static constexpr int WPG = CB;
+  static constexpr int HALO = 0;
+  using L = LutGeom<CB, 0>;
+  template <int U>
+  static QP_HD void tile(const uint32_t* c, const uint32_t*, const uint32_t* lut, uint32_t lanebits,
+                         uint32_t (&a)[4]) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      a[k] = lds(lut, and_or(lane_field<WPG>(c, U * TW + k * CB, CB, L::ESHIFT), L::MASK, lanebits));
+  }
+};
+
+template <int B>  // scalar codes of B bits, two lookups a pair (NUQ-6..8)
+struct ScalarLanes {
+  static constexpr int TW = 8 * B;
+  static constexpr int WPG = 2 * B;
+  static constexpr int HALO = 0;
+  using L = LutGeom<B, 0>;
+  template <int U>
+  static QP_HD void tile(const uint32_t* c, const uint32_t*, const uint32_t* lut, uint32_t lanebits,
+                         uint32_t (&a)[4]) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t v0 = lds(lut, and_or(lane_field<WPG>(c, U * TW + 2 * k * B, B, L::ESHIFT), L::MASK, lanebits));
+      const uint32_t v1 = lds(lut, and_or(lane_field<WPG>(c, U * TW + (2 * k + 1) * B, B, L::ESHIFT), L::MASK, lanebits));
+      a[k] = byte_perm(v0, v1, 0x5410);  // low halves: the pair
+    }
+  }
+};
+
+template <int KV, int Q>  // TCQ: KV bits a step, 16-bit states, hybrid table of 2^Q pairs
+struct TcqLanes {
+  static constexpr int TW = 4 * KV;
+  static constexpr int WPG = KV;
+  static constexpr int HALO = KV <= 3 ? 2 : 1;  // lanes whose bits a window may reach
+  using L = LutGeom<Q, 1>;
+  // the hash's index bits (15-Q)..15 land on the table's entry bits at byte offset << ESHIFT
+  static constexpr int SH = L::ESHIFT - (15 - Q);
+  static_assert(SH >= 0, "table shift");
+
+  // s[k] = state of step k in the low 16 bits (garbage above: the hash works mod 2^16)
+  template <int U>
+  static QP_HD void windows(const uint32_t* c, const uint32_t* nb, uint32_t (&s)[4]) {
+    constexpr int P = U * TW;
+    if constexpr (KV == 4) {  // a word is tiles 2q, 2q+1: one byte permute joins own and halo bits
+      const uint32_t R = c[U / 2], H = nb[U / 2];
+      const uint32_t x = byte_perm(R, H, U % 2 ? 0x1054u : 0x3276u);  // [own(U) | halo(U)]
+      s[0] = U % 2 ? R : R >> 16;
+      s[1] = x >> 12;
+      s[2] = x >> 8;
+      s[3] = x >> 4;
+    } else {
+      // hi:lo = own W bits, then lane ℓ+1's bits of the same tile
+      const uint32_t own = lane_field<WPG>(c, P, 32, 0);
+      uint32_t hi = own, lo = 0;
+      if constexpr (HALO == 2) {  // own, lane ℓ+1's and lane ℓ+2's bits: all windows end by bit 25
+        const uint32_t m1 = ~((1u << (32 - TW)) - 1u), m2 = ~((1u << (32 - 2 * TW)) - 1u);
+        hi = (own & m1) | ((lane_field<WPG>(nb, P, 32, 0) >> TW) & m2 & ~m1) |
+             (lane_field<WPG>(nb + WPG, P, 32, 0) >> (2 * TW));
+      } else if constexpr (TW < 32) {
+        const uint32_t halo = lane_field<WPG>(nb, P, 32, 0);
+        hi = (own & ~((1u << (32 - TW)) - 1u)) | (halo >> TW);
+        if constexpr (3 * KV + 16 > 32) lo = halo << (32 - TW);
+      } else if constexpr (TW == 32) {
+        lo = nb[P >> 5];
+      } else {  // TW > 32: hi is all own bits; lo continues with own bits, then the halo
+        const int rest = TW - 32;
+        const uint32_t own2 = lane_field<WPG>(c, P + 32, 32, 0);
+        const uint32_t halo = lane_field<WPG>(nb, P, 32, 0);
+        lo = (own2 & ~((1u << (32 - rest)) - 1u)) | (halo >> rest);
+      }
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int r = 48 - k * KV;  // window = (hi:lo) >> r
+        s[k] = r >= 32 ? hi >> (r - 32) : static_cast<uint32_t>(((static_cast<uint64_t>(hi) << 32) | lo) >> r);
+      }
+    }
+  }
+  template <int U>
+  static QP_HD void tile(const uint32_t* c, const uint32_t* nb, const uint32_t* lut, uint32_t lanebits,
+                         uint32_t (&a)[4]) {
+    uint32_t s[4];
+    windows<U>(c, nb, s);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t h = s[k] * s[k] + s[k];  // low 16 bits = s(s+1) mod 2^16
+      a[k] = lds(lut, and_or(h << SH, L::MASK, lanebits));
+    }
+  }
+};
+
+// word index (in 32-bit units, inside a block of 32·WPG words) of lane ℓ's word q: planes of 4
+// words, then one of 2, then one of 1 (lanes.block_order)
+QP_HD int block_word(int wpg, int lane, int q) {
+  const int full = wpg / 4 * 4;
+  if (q < full) return (q / 4) * 128 + lane * 4 + q % 4;
+  if (q < full + 2 && wpg - full >= 2) return full * 32 + lane * 2 + (q - full);
+  return (wpg - 1) * 32 + lane;
+}
+
+}  // namespace qp

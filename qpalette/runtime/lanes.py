@@ -1,0 +1,129 @@
+"""The in-memory code layout the kernels read ("lane-major"), made from the checkpoint's at load.
+
+A checkpoint stores each 16×16 tile's code bits as one stream (docs/format.md); lane ℓ of the
+decoding warp owns the W bits at stream offset ℓ·W (W = the tile's int32 words). The GEMV wants
+each lane's bits for several tiles in one coalesced 16-byte load, so at load time the codes are
+regrouped, a pure bit permutation:
+
+- a *group* is 8 consecutive tiles of one row tile (the last group of a row padded with zero
+  tiles, whose activations the kernel reads as zeros);
+- in a group, lane ℓ's *lane stream* is its own bits of tiles 0..7 concatenated, MSB first:
+  8·W bits = W/4 words (`group_words`);
+- a group's 32 lane streams form one block, stored in *planes* so that every load instruction of
+  a warp reads 512 contiguous bytes: 16-byte planes (lane ℓ's words 4p..4p+3 at 128p + 4ℓ), then
+  an 8-byte and a 4-byte plane for the remaining 2 and 1 words (`block_order`);
+- blocks in (row tile, group) order: the stored tensor is (row tiles, groups, 32·W/4) int32.
+
+half-TCQ keeps its two halves as two such tensors. Only the code tensors change; `unpack` gives
+back the checkpoint's tensors exactly (state dicts and the CPU reference use it). The same
+definition in CUDA is `qpalette_lanes.cuh`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from qpalette.quant.bitpack import pack_bits, unpack_bits
+from qpalette.quant.palette import get_quantizer
+
+GROUP_TILES = 8
+LANES = 32
+ROW_TILES_A_CHUNK = 16  # row tiles repacked at once: bounds the bit-level scratch memory
+
+
+def code_names(quantizer: str) -> tuple[str, ...]:
+    """The stored tensors holding codes (the others, row scales, pass through unchanged)."""
+    return ("codes_a", "codes_b") if get_quantizer(quantizer).family == "half-tcq" else ("codes",)
+
+
+def group_words(tile_words: int) -> int:
+    """int32 words of one lane's stream in one group: 8 tiles × W bits."""
+    return tile_words * GROUP_TILES // LANES
+
+
+def groups(col_tiles: int) -> int:
+    return -(-col_tiles // GROUP_TILES)
+
+
+@functools.lru_cache(maxsize=None)
+def block_order(wpg: int) -> torch.Tensor:
+    """pos[ℓ·wpg + q] = where lane ℓ's word q lives in a block (planes of 4, then 2, then 1)."""
+    full = wpg // 4 * 4
+    pos = []
+    for lane in range(LANES):
+        for q in range(wpg):
+            if q < full:
+                pos.append((q // 4) * 4 * LANES + lane * 4 + q % 4)
+            elif q < full + 2 and wpg - full >= 2:
+                pos.append(full * LANES + lane * 2 + (q - full))
+            else:
+                pos.append((wpg - 1) * LANES + lane)
+    return torch.tensor(pos, dtype=torch.long)
+
+
+def _pack_rows(codes: torch.Tensor) -> torch.Tensor:
+    rt, ct, w = codes.shape
+    cg = groups(ct)
+    padded = torch.zeros((rt, cg * GROUP_TILES, w), dtype=codes.dtype, device=codes.device)
+    padded[:, :ct] = codes
+    bits = unpack_bits(padded).reshape(rt, cg, GROUP_TILES, LANES, w)  # tile stream: lane-major
+    streams = bits.permute(0, 1, 3, 2, 4).reshape(rt, cg, LANES, -1)   # each lane's 8 tiles
+    words = pack_bits(streams).reshape(rt, cg, -1)
+    out = torch.empty_like(words)
+    out[..., block_order(group_words(w)).to(codes.device)] = words
+    return out
+
+
+def _unpack_rows(lanes: torch.Tensor, col_tiles: int, tile_words: int) -> torch.Tensor:
+    rt, cg, _ = lanes.shape
+    words = lanes[..., block_order(group_words(tile_words)).to(lanes.device)]
+    bits = unpack_bits(words.reshape(rt, cg, LANES, -1)).reshape(rt, cg, LANES, GROUP_TILES, tile_words)
+    tiles = pack_bits(bits.permute(0, 1, 3, 2, 4).reshape(rt, cg * GROUP_TILES, -1))
+    return tiles[:, :col_tiles].contiguous()
+
+
+def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """Checkpoint codes (row tiles, col tiles, W) → lane-major (row tiles, groups, 32·W/4)."""
+    parts = [_pack_rows(codes[i : i + ROW_TILES_A_CHUNK]) for i in range(0, codes.shape[0], ROW_TILES_A_CHUNK)]
+    if not parts:
+        return codes.new_empty((0, groups(codes.shape[1]), LANES * group_words(codes.shape[2])))
+    return torch.cat(parts)
+
+
+def unpack_codes(lanes: torch.Tensor, col_tiles: int, tile_words: int) -> torch.Tensor:
+    """Inverse of `pack_codes` (the padding tiles dropped)."""
+    parts = [_unpack_rows(lanes[i : i + ROW_TILES_A_CHUNK], col_tiles, tile_words)
+             for i in range(0, lanes.shape[0], ROW_TILES_A_CHUNK)]
+    if not parts:
+        return lanes.new_empty((0, col_tiles, tile_words))
+    return torch.cat(parts)
+
+
+def lane_specs(quantizer: str, rows: int, cols: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Name → (shape, dtype) of the tensors after `pack` (the checkpoint's `tensor_specs` with
+    every code tensor in the lane-major shape)."""
+    specs = dict(get_quantizer(quantizer).tensor_specs(rows, cols))
+    for name in code_names(quantizer):
+        (rt, ct, w), dtype = specs[name]
+        specs[name] = ((rt, groups(ct), LANES * group_words(w)), dtype)
+    return specs
+
+
+def pack(quantizer: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint's stored tensors → the runtime's (code tensors lane-major)."""
+    out = dict(tensors)
+    for name in code_names(quantizer):
+        out[name] = pack_codes(tensors[name])
+    return out
+
+
+def unpack(quantizer: str, tensors: dict[str, torch.Tensor], shape: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """The runtime's tensors → exactly the checkpoint's (inverse of `pack`)."""
+    specs = get_quantizer(quantizer).tensor_specs(*shape)
+    out = dict(tensors)
+    for name in code_names(quantizer):
+        (_, ct, w), _ = specs[name]
+        out[name] = unpack_codes(tensors[name], ct, w)
+    return out
