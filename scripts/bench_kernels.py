@@ -5,9 +5,14 @@ For each shape × palette entry × batch size: median time of one call under CUD
 (weights rotated among enough copies to defeat the L2 cache, qpalette.kernel_timing), achieved
 bandwidth as a fraction of the measured device-to-device copy bandwidth (bytes moved = codes +
 row scales + activations + output; the roofline time is bytes / copy bandwidth), and FP16 cuBLAS
-(F.linear) measured in the same run. Writes bench_kernels.md and bench_kernels.json under --out.
+(F.linear) and, when the `gemlite` package is installed, gemlite's W4 and W2 group-64 GEMV measured in
+the same run and the same way. Writes bench_kernels.md and bench_kernels.json under --out.
 
-    python scripts/bench_kernels.py --out results/kernels [--entries tcq-2.0,nuq-4] [--batches 1,8]
+Regression gates (issue 14's targets): µs per entry and shape at batch 1, b8/b1 ≤ 1.25 per entry
+and shape, and "faster than gemlite at equal or more bits" per shape and batch; the report lists
+each as met or missed, and `--gate` makes the script exit 1 when any is missed.
+
+    python scripts/bench_kernels.py --out results/kernels [--entries tcq-2.0,nuq-4] [--batches 1,8] [--gate]
 """
 
 from __future__ import annotations
@@ -34,7 +39,49 @@ SHAPES = {
     "gateup 28672x4096": (28672, 4096),
     "down 4096x14336": (4096, 14336),
 }
-TARGETS_US = {"tcq-2.0": 8.0, "tcq-3.0": 10.0, "tcq-4.0": 13.0, "nuq-4": 13.0, "vq-4.0": 13.0}
+# issue 14's batch-1 targets, µs: {shape: {entry: target}} ("*": every entry of the run)
+TARGETS_US = {
+    "gate/up 14336x4096": {"tcq-2.0": 9.0, "tcq-3.0": 10.0, "tcq-4.0": 11.5, "half-tcq-3.25": 10.5,
+                           "nuq-4": 11.0, "vq-4.0": 11.0, "vq-2.0": 7.0},
+    "q/o 4096x4096": {"tcq-2.0": 4.5, "nuq-4": 5.0},
+    "k/v 1024x4096": {"*": 4.0},
+}
+B8_OVER_B1_MAX = 1.25
+GEMLITE_GROUP = 64
+
+
+def time_gemlite(rows: int, cols: int, batches, nbits: int, dtype) -> dict[int, float] | None:
+    """{batch: seconds} of a gemlite GemLiteLinear (W{nbits}, group 64, random weights), timed like ours;
+    None without gemlite."""
+    try:
+        import gemlite
+        from gemlite import DType, GemLiteLinear
+    except ImportError:
+        return None
+    configs = Path(gemlite.__file__).parent / "configs"
+    name = torch.cuda.get_device_name().lower()
+    for f in configs.glob("*.json"):  # the autotune cache gemlite ships for this GPU, if any
+        if f.stem in name:
+            gemlite.load_config(str(f))
+    gdt = DType.BF16 if dtype == torch.bfloat16 else DType.FP16
+
+    def layer():
+        lin = GemLiteLinear(nbits, group_size=GEMLITE_GROUP, in_features=cols, out_features=rows,
+                            input_dtype=gdt, output_dtype=gdt)
+        w_q = torch.randint(0, 2**nbits, (rows, cols), dtype=torch.uint8, device="cuda")
+        groups = (rows, cols // GEMLITE_GROUP)
+        lin.pack(w_q, torch.rand(groups, device="cuda", dtype=dtype) * 0.01,
+                 torch.full(groups, 2 ** (nbits - 1), device="cuda", dtype=dtype), None)
+        return lin
+
+    nbytes = rows * cols * nbits // 8 + 4 * rows * cols // GEMLITE_GROUP
+    layers = [layer() for _ in range(kt.copies_for(nbytes))]
+    out = {}
+    for m in batches:
+        x = torch.randn(m, cols, device="cuda", dtype=dtype)
+        out[m] = kt.time_graph([lambda lin=lin: lin(x) for lin in layers])
+    del layers
+    return out
 
 
 def main() -> None:
@@ -44,6 +91,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="all", help="comma-separated OUTxIN shapes (default: the six Llama shapes)")
     ap.add_argument("--batches", default="1,2,4,8")
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    ap.add_argument("--gate", action="store_true", help="exit 1 when a regression gate is missed")
     args = ap.parse_args()
 
     entries = list(PALETTE) if args.entries == "all" else [e.strip() for e in args.entries.split(",")]
@@ -64,6 +112,17 @@ def main() -> None:
             rows_out.append({"shape": label, "rows": r, "cols": c, "entry": "fp16", "bits": 16, "batch": m,
                              "us": fp16[m] * 1e6, "bytes": r * c * 2 + 2 * m * (r + c),
                              "roofline_fraction": (r * c * 2 + 2 * m * (r + c)) / bw / fp16[m]})
+        for nbits in (4, 2):
+            g = time_gemlite(r, c, batches, nbits, dtype)
+            if g is None:
+                continue
+            for m in batches:
+                moved = r * c * nbits // 8 + 4 * r * c // GEMLITE_GROUP + 2 * m * (r + c)
+                rows_out.append({"shape": label, "rows": r, "cols": c, "entry": f"gemlite-w{nbits}g64",
+                                 "bits": nbits + 32 / GEMLITE_GROUP, "batch": m, "us": g[m] * 1e6, "bytes": moved,
+                                 "roofline_fraction": moved / bw / g[m], "speedup_vs_fp16": fp16[m] / g[m]})
+            print(f"{label:20s} gemlite W{nbits} g64 " + " ".join(f"b{m}={g[m] * 1e6:7.2f}us" for m in batches),
+                  flush=True)
         for name in entries:
             times, nbytes = kt.time_quantized(name, r, c, batches, dtype)
             for m in batches:
@@ -85,10 +144,43 @@ def main() -> None:
                   "totalling >= l2_flush_bytes",
         "rotate_us": {str(n): {str(m): t * 1e6 for m, t in v.items()} for n, v in rot.items()},
     }
+    checks = gates(rows_out, batches)
+    meta["gates"] = checks
     (out / "bench_kernels.json").write_text(json.dumps({"meta": meta, "rows": rows_out}, indent=1))
     md = render(rows_out, batches, meta)
     (out / "bench_kernels.md").write_text(md)
     print(md)
+    if args.gate and not all(c["met"] for c in checks):
+        sys.exit(1)
+
+
+def gates(rows, batches) -> list[dict]:
+    """Every regression gate of the run: {"what", "value", "limit", "met"}."""
+    at = {(r["shape"], r["entry"], r["batch"]): r for r in rows}
+    b1, bmax = batches[0], batches[-1]
+    out = []
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        ours = [e for e in dict.fromkeys(r["entry"] for r in rows if r["shape"] == shape)
+                if e != "fp16" and not e.startswith("gemlite")]
+        for entry in ours:
+            limit = TARGETS_US.get(shape, {}).get(entry, TARGETS_US.get(shape, {}).get("*"))
+            if limit is not None and b1 == 1:
+                us = at[(shape, entry, 1)]["us"]
+                out.append({"what": f"{shape} {entry} b1 µs", "value": us, "limit": limit, "met": us <= limit})
+            if bmax == 8 and b1 == 1:
+                ratio = at[(shape, entry, 8)]["us"] / at[(shape, entry, 1)]["us"]
+                out.append({"what": f"{shape} {entry} b8/b1", "value": ratio, "limit": B8_OVER_B1_MAX,
+                            "met": ratio <= B8_OVER_B1_MAX})
+            for nbits in (4, 2):
+                if PALETTE[entry].bits < nbits:
+                    continue  # only against gemlite at fewer or equal bits
+                for m in batches:
+                    g = at.get((shape, f"gemlite-w{nbits}g64", m))
+                    if g is not None:
+                        us = at[(shape, entry, m)]["us"]
+                        out.append({"what": f"{shape} {entry} b{m} vs gemlite W{nbits}", "value": us,
+                                    "limit": g["us"], "met": us < g["us"]})
+    return out
 
 
 def render(rows, batches, meta) -> str:
@@ -109,15 +201,10 @@ def render(rows, batches, meta) -> str:
             lines.append(f"| {entry} | " + " | ".join(f"{e[m]['us']:.2f}" for m in batches)
                          + f" | {e[batches[0]]['roofline_fraction']:.0%} | {ratio:.2f} |")
         lines.append("")
-    big = [r for r in rows if r["shape"].startswith("gate/up") and r["batch"] == batches[0]]
-    if big:
-        lines += ["## Targets (14336×4096, batch 1)", ""]
-        for r in big:
-            if r["entry"] in TARGETS_US:
-                t = TARGETS_US[r["entry"]]
-                lines.append(f"- {r['entry']}: {r['us']:.2f} µs (target ≤ {t} µs: "
-                             f"{'met' if r['us'] <= t else 'missed'})")
-        lines.append("")
+    checks = meta["gates"]
+    lines += [f"## Gates: {sum(c['met'] for c in checks)} of {len(checks)} met", ""]
+    lines += [f"- missed: {c['what']}: {c['value']:.2f} (limit {c['limit']:.2f})" for c in checks if not c["met"]]
+    lines.append("")
     lines += ["## Online Hadamard transform (µs)", ""]
     for n, v in meta["rotate_us"].items():
         lines.append(f"- n = {n}: " + ", ".join(f"b{m} {t:.2f}" for m, t in v.items()))

@@ -147,7 +147,8 @@ class QuantizedLinear(_CallCache, _KeepsFp16):
         if w is not None:  # CPU: the weight decoded once, in the original basis (no rotation)
             y = F.linear(x, w)
         else:
-            self.to_lane_major()
+            if not self.lane_major:  # a plain attribute: compiled code guards on it, no graph break
+                self.to_lane_major()
             ops.prepare(x, self.quantizer.name)
             y = ops.quantized_matmul(self.rotation(x), self.quantizer.name, self.stored_tensors(),
                                      (self.out_features, self.in_features))

@@ -178,31 +178,61 @@ __host__ __device__ constexpr size_t gemv_smem(int rr, int nw, int cgc, int cs, 
          cpart_bytes(rr, cs);
 }
 
-// the table, replicated C times, 16-byte stores (C ≥ 4)
+// The table, replicated C times. Thread t writes 16-byte piece t mod C/4 of its entries, so a
+// warp's stores are contiguous; each round first loads 8 entries a thread (all in flight: they
+// come from L2), then stores them (and their sign-flipped copies in a folded table).
 template <class L>
 __device__ __forceinline__ void fill_table(uint32_t* lut, const uint32_t* src) {
+  constexpr int E = L::SOURCE, PIECES = L::C / 4;
   uint4* l4 = reinterpret_cast<uint4*>(lut);
-  for (int i = threadIdx.x; i < L::WORDS / 4; i += blockDim.x) {
-    const uint32_t v = L::entry(src, (4 * i) >> L::LOGC);
-    l4[i] = make_uint4(v, v, v, v);
+  const int step = blockDim.x / PIECES, e0 = threadIdx.x / PIECES, j = threadIdx.x % PIECES;
+  for (int base = e0; base < E; base += 8 * step) {
+    uint32_t v[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = base + k * step < E ? __ldg(src + base + k * step) : 0u;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int e = base + k * step;
+      if (e < E) {
+        l4[e * PIECES + j] = make_uint4(v[k], v[k], v[k], v[k]);
+        if (L::STORED > E) {
+          const uint32_t n = v[k] ^ 0x8000u;
+          l4[(e + E) * PIECES + j] = make_uint4(n, n, n, n);
+        }
+      }
+    }
   }
 }
 
-// activations of this CTA's padded columns → shared memory (zeros on padding tiles)
+// The activations of this CTA's padded columns → shared memory (zeros on padding tiles), 8 loads
+// a thread in flight at a time.
 template <class T>
 __device__ __forceinline__ void stage_x(const GemvParams& p, uint32_t* xs, int rank) {
   const int chunks = p.cgc * 16;  // 8 elements each
   const int xsw = p.cgc * 64 + 4;
-  for (int i = threadIdx.x; i < p.m * chunks; i += blockDim.x) {
-    const int r = i / chunks, ch = i - r * chunks;
-    const int gg = rank * p.cgc + ch / 16;  // global group
-    const int s = gg >= p.seg[0].cg;
-    const int lt = (gg - (s ? p.seg[0].cg : 0)) * 8 + (ch & 15) / 2;  // tile inside the segment
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (gg < p.seg[0].cg + p.seg[1].cg && lt < (s ? p.seg[1].ct : p.seg[0].ct))
-      v = __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(p.x) + r * p.ldx +
-                                               (s ? p.seg[1].col0 : 0) + lt * 16 + (ch & 1) * 8));
-    *reinterpret_cast<uint4*>(xs + r * xsw + 4 * ch) = v;
+  const int total = p.m * chunks;
+  for (int base = threadIdx.x; base < total; base += 8 * blockDim.x) {
+    uint4 v[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int i = base + k * blockDim.x;
+      const int r = i / chunks, ch = i - r * chunks;
+      const int gg = rank * p.cgc + ch / 16;  // global group
+      const int s = gg >= p.seg[0].cg;
+      const int lt = (gg - (s ? p.seg[0].cg : 0)) * 8 + (ch & 15) / 2;  // tile inside the segment
+      v[k] = make_uint4(0, 0, 0, 0);
+      if (i < total && gg < p.seg[0].cg + p.seg[1].cg && lt < (s ? p.seg[1].ct : p.seg[0].ct))
+        v[k] = __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(p.x) + r * p.ldx +
+                                                    (s ? p.seg[1].col0 : 0) + lt * 16 + (ch & 1) * 8));
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int i = base + k * blockDim.x;
+      if (i < total) {
+        const int r = i / chunks, ch = i - r * chunks;
+        *reinterpret_cast<uint4*>(xs + r * xsw + 4 * ch) = v[k];
+      }
+    }
   }
 }
 
@@ -316,9 +346,12 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, 1) gemv_kernel(const GemvParam
     float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
     if (doit) {  // row tile rd·RR + warp, summed over the warps in a fixed order
       const float4* rp = red + ((buf * RR + warp) * nw) * 32 + lane;
-      for (int w2 = 0; w2 < nw; ++w2) {
-        const float4 v = rp[w2 * 32];
-        s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
+#pragma unroll
+      for (int w2 = 0; w2 < MAX_WARPS; ++w2) {  // unrolled: the loads in flight together
+        if (w2 < nw) {
+          const float4 v = rp[w2 * 32];
+          s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
+        }
       }
     }
     if (p.cs == 1) {  // this buffer is free again (the bar.sync of round rd + 2)

@@ -53,6 +53,7 @@ QP_HD uint32_t lane_field(const uint32_t* c, int pos, int len, int shl) {
 
 template <int LOG2E, int FOLD>  // 2^LOG2E table entries, sign-folded (FOLD = 1) or not
 struct LutGeom {
+  static constexpr int SOURCE = 1 << LOG2E;  // entries of the codebook
   static constexpr int STORED = 1 << (LOG2E + FOLD);
   static constexpr int LOGC = (15 - LOG2E - FOLD) < 5 ? (15 - LOG2E - FOLD) : 5;
   static constexpr int C = 1 << LOGC;
