@@ -150,8 +150,11 @@ class QuantizedLinear(_CallCache, _KeepsFp16):
             if not self.lane_major:  # a plain attribute: compiled code guards on it, no graph break
                 self.to_lane_major()
             ops.prepare(x, self.quantizer.name)
-            y = ops.quantized_matmul(self.rotation(x), self.quantizer.name, self.stored_tensors(),
-                                     (self.out_features, self.in_features))
+            shape = (self.out_features, self.in_features)
+            if ops.fuses_rotation(self.in_features):  # the GEMV rotates x itself
+                y = ops.rotated_matmul(x, self.rotation.signs, self.quantizer.name, self.stored_tensors(), shape)
+            else:  # one rotation shared by the input group
+                y = ops.quantized_matmul(self.rotation(x), self.quantizer.name, self.stored_tensors(), shape)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y

@@ -1,6 +1,8 @@
 """The two operations a quantized layer runs: the online rotation and the quantized matmul.
 
-Both are torch.library custom ops, `qpalette::rotate` and `qpalette::quantized_matmul`, with fake
+They are torch.library custom ops, `qpalette::rotate`, `qpalette::quantized_matmul` and the two
+in one, `qpalette::rotated_matmul` (the GEMV rotates the activations in its prologue when the
+input size is a power of two: no separate rotation kernel on the decode path), with fake
 implementations so that torch.compile and CUDA-graph capture see ordinary ops. The matmul takes
 the runtime tensors: the checkpoint's, code tensors in the lane-major layout (runtime/lanes.py).
 Each op has two implementations registered:
@@ -37,6 +39,7 @@ from qpalette.quant.palette import QuantizedMatrix, get_quantizer
 from qpalette.runtime import kernel_build, lanes
 
 FUSED_MAX_ROWS = 8          # activation rows the fused kernel takes (mma n = 8)
+FUSED_ROTATION_MAX_N = 4096  # input sizes (powers of two) the GEMV rotates itself (one CTA holds K)
 HADAMARD_MAX_N = 32768      # row length the Hadamard kernel holds in shared memory (fp32)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -73,6 +76,21 @@ def code_tensors(quantizer: str, tensors: dict[str, torch.Tensor]) -> tuple[torc
 def rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """H(s ⊙ x) over the last dimension; `signs` bit-packed uint8 (in/8,). Same dtype as x."""
     return torch.ops.qpalette.rotate(x, signs)
+
+
+def fuses_rotation(in_features: int) -> bool:
+    """Whether `rotated_matmul` can rotate inside the GEMV for this input size (else the layers
+    share one rotation per input group and call `quantized_matmul`)."""
+    n = in_features
+    return 128 <= n <= FUSED_ROTATION_MAX_N and n & (n - 1) == 0
+
+
+def rotated_matmul(x: torch.Tensor, signs: torch.Tensor, quantizer: str, tensors: dict[str, torch.Tensor],
+                   shape: tuple[int, int]) -> torch.Tensor:
+    """quantized_matmul(rotate(x, signs), ...) as one op (one kernel on CUDA for batch ≤ 8)."""
+    codes, codes_b = code_tensors(quantizer, tensors)
+    return torch.ops.qpalette.rotated_matmul(x, signs, codes, codes_b, tensors["row_scale"],
+                                             get_quantizer(quantizer).name, shape[0])
 
 
 def quantized_matmul(
@@ -229,7 +247,7 @@ def _rotate_op(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
 
 
 @_rotate_op.register_kernel("cuda")
-def _(x, signs):
+def _rotate_cuda(x, signs):
     n = x.shape[-1]
     if not (_kernel_dtype(x) and _kernels_ok() and _hadamard_ok(n)):
         return rotate_reference(x, signs)
@@ -280,7 +298,8 @@ def _(x, codes, codes_b, row_scale, quantizer, out_features):
     return y.reshape(*lead, out_features)
 
 
-def _qmm_kernels(x2, codes, codes_b, row_scale, quantizer, out_features):
+def _qmm_kernels(x2, codes, codes_b, row_scale, quantizer, out_features, signs=None):
+    """y = x2 · W_rᵀ on the kernels; with `signs`, x2 is rotated first (in the GEMV when it can)."""
     dev = x2.device
     spec = kernel_spec(quantizer)
     table = lut(quantizer, x2.dtype, dev)
@@ -289,9 +308,12 @@ def _qmm_kernels(x2, codes, codes_b, row_scale, quantizer, out_features):
     with torch.cuda.device(dev):
         if x2.shape[0] <= FUSED_MAX_ROWS:
             y = ext.gemv(x2, codes, codes_b, row_scale, table, family, spec.p0, spec.p1, out_features,
-                         _stream(dev), _num_sms(dev), _pdl())
+                         _stream(dev), _num_sms(dev), _pdl(), signs)
             if y is not None:
                 return y
+        if signs is not None:
+            x2 = _rotate_cuda(x2, signs)
+            return _qmm_kernels(x2, codes, codes_b, row_scale, quantizer, out_features)
         w = ext.dequant(codes, codes_b, row_scale, table, family, spec.p0, spec.p1,
                         out_features, x2.shape[1], x2.dtype, _stream(dev), _num_sms(dev))
         return x2 @ w.T
@@ -299,4 +321,35 @@ def _qmm_kernels(x2, codes, codes_b, row_scale, quantizer, out_features):
 
 @_qmm_op.register_fake
 def _(x, codes, codes_b, row_scale, quantizer, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+@torch.library.custom_op("qpalette::rotated_matmul", mutates_args=())
+def _rotated_qmm_op(
+    x: torch.Tensor,
+    signs: torch.Tensor,
+    codes: torch.Tensor,
+    codes_b: Optional[torch.Tensor],
+    row_scale: torch.Tensor,
+    quantizer: str,
+    out_features: int,
+) -> torch.Tensor:
+    return _qmm_reference(rotate_reference(x, signs), codes, codes_b, row_scale, quantizer, out_features)
+
+
+@_rotated_qmm_op.register_kernel("cuda")
+def _(x, signs, codes, codes_b, row_scale, quantizer, out_features):
+    if not (_kernel_dtype(x) and _kernels_ok()):
+        return _qmm_reference(rotate_reference(x, signs), codes, codes_b, row_scale, quantizer, out_features)
+    lead, n_in = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, n_in).contiguous()
+    if x2.shape[0] == 0:
+        return x.new_empty((*lead, out_features))
+    y = _qmm_kernels(x2, codes.contiguous(), codes_b.contiguous() if codes_b is not None else None,
+                     row_scale, quantizer, out_features, signs.contiguous())
+    return y.reshape(*lead, out_features)
+
+
+@_rotated_qmm_op.register_fake
+def _(x, signs, codes, codes_b, row_scale, quantizer, out_features):
     return x.new_empty((*x.shape[:-1], out_features))

@@ -61,14 +61,14 @@ def poison(shape, dtype):
     torch.full(shape, float("nan"), dtype=dtype, device="cuda")
 
 
-def run_fused(ext, name, x2, tensors, rows, pdl=True):
-    """The fused GEMV straight through the extension."""
+def run_fused(ext, name, x2, tensors, rows, pdl=True, signs=None):
+    """The fused GEMV straight through the extension (None: it does not take this shape)."""
     spec = ops.kernel_spec(name)
     a, b = codes_of(name, tensors)
     poison((x2.shape[0], rows), x2.dtype)
     return ext.gemv(x2, a, b, tensors["row_scale"], ops.lut(name, x2.dtype, x2.device), ext.FAMILY_CODES[spec.family],
                     spec.p0, spec.p1, rows, torch.cuda.current_stream().cuda_stream,
-                    torch.cuda.get_device_properties(0).multi_processor_count, pdl)
+                    torch.cuda.get_device_properties(0).multi_processor_count, pdl, signs)
 
 
 def run_dequant(ext, name, tensors, shape, dtype):
@@ -117,6 +117,28 @@ def test_dequantize_kernel(ext, name, dtype):
     w = run_dequant(ext, name, tensors, (rows, cols), dtype)
     ref = ops.dequantize(name, stored, (rows, cols))
     assert rel_err(w, ref) <= 4e-3
+
+
+@pytest.mark.parametrize("name", ["tcq-2.0", "tcq-3.0", "half-tcq-3.25", "nuq-4", "vq-2.0"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotation_fused_into_the_gemv(ext, name, dtype):
+    """rotated_matmul (H(s ⊙ x) in the GEMV's prologue) against rotate-then-matmul in float32,
+    for the power-of-two sizes it fuses; other sizes fall back to the separate rotation."""
+    gen = torch.Generator().manual_seed(11)
+    for rows, cols in [(1024, 4096), (256, 128), (96, 2048), (64, 8192), (48, 576), (64, 14336)]:
+        stored, tensors = random_tensors(name, rows, cols, gen)
+        signs = pack_signs(random_signs(cols, seed=cols)).cuda()
+        w = ops.dequantize(name, stored, (rows, cols))
+        for m in BATCHES:
+            x = torch.randn(m, cols, generator=gen).to(dtype).cuda()
+            ref = ops.rotate_reference(x.float(), signs).to(dtype).float() @ w.T
+            poison((m, rows), dtype)
+            y = ops.rotated_matmul(x, signs, name, tensors, (rows, cols))
+            assert rel_err(y, ref) <= TOL, (rows, cols, m)
+            if m <= ops.FUSED_MAX_ROWS:
+                fused = run_fused(ext, name, x, tensors, rows, signs=signs)
+                whole = cols % (256 if get_quantizer(name).family == "half-tcq" else 128) == 0  # no padded group
+                assert (fused is not None) == (ops.fuses_rotation(cols) and whole), (rows, cols)
 
 
 def test_every_entry_has_a_kernel(ext):

@@ -31,3 +31,21 @@ def test_rotate_op_is_the_reference_on_cpu(n):
     signs = pack_signs(random_signs(n, seed=1))
     assert torch.equal(ops.rotate(x, signs), ops.rotate_reference(x, signs))
     torch.library.opcheck(torch.ops.qpalette.rotate, (x, signs))
+
+
+@pytest.mark.parametrize("name", ["tcq-2.0", "half-tcq-2.25", "nuq-4"])
+def test_rotated_matmul_is_rotate_then_matmul(name):
+    rows, cols = 32, 256
+    tensors = lanes.pack(name, get_quantizer(name).random_tensors(rows, cols, torch.Generator().manual_seed(5)))
+    signs = pack_signs(random_signs(cols, seed=2))
+    x = torch.randn(2, 3, cols, generator=torch.Generator().manual_seed(6))
+    y = ops.rotated_matmul(x, signs, name, tensors, (rows, cols))
+    assert torch.equal(y, ops.quantized_matmul(ops.rotate(x, signs), name, tensors, (rows, cols)))
+    codes, codes_b = ops.code_tensors(name, tensors)
+    torch.library.opcheck(torch.ops.qpalette.rotated_matmul,
+                          (x, signs, codes, codes_b, tensors["row_scale"], get_quantizer(name).name, rows))
+
+
+def test_fused_rotation_sizes():
+    assert ops.fuses_rotation(4096) and ops.fuses_rotation(128) and not ops.fuses_rotation(8192)
+    assert not ops.fuses_rotation(576) and not ops.fuses_rotation(14336) and not ops.fuses_rotation(64)

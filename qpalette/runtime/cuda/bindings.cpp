@@ -51,11 +51,12 @@ qp::Codes codes_of(const at::Tensor& a, const c10::optional<at::Tensor>& b, int6
   return c;
 }
 
-// y (m, rows) = x (m, cols) · W_rᵀ, m ≤ 8; returns an undefined tensor when the GEMV cannot split
-// this shape (the caller then dequantizes).
+// y (m, rows) = x (m, cols) · W_rᵀ, m ≤ 8 (with `signs`: x rotated first, H(s ⊙ x)); returns an
+// undefined tensor when the GEMV cannot take this shape (the caller then rotates / dequantizes).
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& codes_a, const c10::optional<at::Tensor>& codes_b,
                 const at::Tensor& row_scale, const at::Tensor& lut, int64_t family, int64_t p0, int64_t p1,
-                int64_t rows, int64_t stream, int64_t num_sms, bool pdl) {
+                int64_t rows, int64_t stream, int64_t num_sms, bool pdl,
+                const c10::optional<at::Tensor>& signs) {
   check_cuda(x, "x");
   check_cuda(row_scale, "row_scale");
   check_cuda(lut, "lut");
@@ -66,6 +67,11 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& codes_a, const c10::optio
   a.codes = codes_of(codes_a, codes_b, family, rows, x.size(1));
   a.x = x.data_ptr();
   a.ldx = x.size(1);
+  if (signs.has_value()) {
+    check_cuda(*signs, "signs");
+    TORCH_CHECK(signs->scalar_type() == at::kByte && signs->numel() * 8 == x.size(1), "signs must be uint8 (in/8,)");
+    a.signs = signs->data_ptr<uint8_t>();
+  }
   a.y = y.data_ptr();
   a.ldy = rows;
   a.row_scale = row_scale.data_ptr();

@@ -81,6 +81,9 @@ struct GemvParams {
   int m, rt;
   int cs, cgc, ncl;    // cluster size, groups a CTA, clusters
   int nw;              // warps a CTA
+  const uint8_t* signs;  // fused rotation x ← H(s ⊙ x)/√n (n = cols, a power of two), or nullptr
+  int log2n;
+  float rot_scale;     // 1/√n
 };
 
 // Hopper features (programmatic dependent launch, clusters); on sm_80 the launcher uses neither.
@@ -172,10 +175,11 @@ struct Pair {
 __host__ __device__ constexpr size_t red_bytes(int rr, int nw) { return size_t(2) * rr * nw * 32 * 16; }
 __host__ __device__ constexpr size_t xs_bytes(int cgc, int m) { return size_t(m) * (cgc * 64 + 4) * 4; }
 __host__ __device__ constexpr size_t cpart_bytes(int rr, int cs) { return cs > 1 ? size_t(2) * cs * rr * 32 * 16 : 0; }
+__host__ __device__ constexpr size_t rot_bytes(int n) { return size_t(n) * 4; }
 template <class L>
-__host__ __device__ constexpr size_t gemv_smem(int rr, int nw, int cgc, int cs, int m) {
+__host__ __device__ constexpr size_t gemv_smem(int rr, int nw, int cgc, int cs, int m, int rot_n) {
   return size_t(L::WORDS) * 4 + (red_bytes(rr, nw) > xs_bytes(cgc, m) ? red_bytes(rr, nw) : xs_bytes(cgc, m)) +
-         cpart_bytes(rr, cs);
+         cpart_bytes(rr, cs) + rot_bytes(rot_n);
 }
 
 // The table, replicated C times. Thread t writes 16-byte piece t mod C/4 of its entries, so a
@@ -236,6 +240,67 @@ __device__ __forceinline__ void stage_x(const GemvParams& p, uint32_t* xs, int r
   }
 }
 
+// One level group of the fast Walsh-Hadamard transform on z (n floats): butterflies on index bits
+// [b, b + w), w ≤ 3, a group of 2^w elements a thread in registers.
+__device__ __forceinline__ void fwht_pass(float* z, int n, int b, int w) {
+  const int groups = n >> w, size = 1 << w;
+  for (int g = threadIdx.x; g < groups; g += blockDim.x) {
+    const int base = ((g >> b) << (b + w)) | (g & ((1 << b) - 1));
+    float v[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k)
+      if (k < size) v[k] = z[base + (k << b)];
+#pragma unroll
+    for (int l = 0; l < 3; ++l)
+      if (l < w)
+#pragma unroll
+        for (int k = 0; k < 8; ++k)
+          if (k < size && !(k & (1 << l))) {
+            const float a = v[k], c = v[k | (1 << l)];
+            v[k] = a + c;
+            v[k | (1 << l)] = a - c;
+          }
+#pragma unroll
+    for (int k = 0; k < 8; ++k)
+      if (k < size) z[base + (k << b)] = v[k];
+  }
+}
+
+// Staging with the rotation fused: row by row, s ⊙ x in fp32 into z, the transform, then
+// H(s ⊙ x)/√n rounded to the activation dtype into the x buffer — the reference's numbers.
+// Needs the whole, unpadded K in this CTA (cs = 1, cols = groups · 128).
+template <class T>
+__device__ __forceinline__ void stage_x_rotated(const GemvParams& p, uint32_t* xs, float* z) {
+  const int n = 1 << p.log2n, xsw = p.cgc * 64 + 4;
+  for (int r = 0; r < p.m; ++r) {
+    const uint4* xr = reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(p.x) + r * p.ldx);
+    for (int c = threadIdx.x; c < n / 8; c += blockDim.x) {  // 8 elements, one sign byte
+      const uint4 v = __ldg(xr + c);
+      const uint32_t sb = p.signs[c];
+      const T* e = reinterpret_cast<const T*>(&v);
+      float f[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) f[k] = (sb >> (7 - k)) & 1u ? -Act<T>::to_float(e[k]) : Act<T>::to_float(e[k]);
+      reinterpret_cast<float4*>(z)[2 * c] = make_float4(f[0], f[1], f[2], f[3]);
+      reinterpret_cast<float4*>(z)[2 * c + 1] = make_float4(f[4], f[5], f[6], f[7]);
+    }
+    __syncthreads();
+    for (int b = 0; b < p.log2n; b += 3) {
+      fwht_pass(z, n, b, p.log2n - b < 3 ? p.log2n - b : 3);
+      __syncthreads();
+    }
+    for (int c = threadIdx.x; c < n / 8; c += blockDim.x) {
+      const float4 a = reinterpret_cast<const float4*>(z)[2 * c], b = reinterpret_cast<const float4*>(z)[2 * c + 1];
+      T o[8] = {Act<T>::from_float(a.x * p.rot_scale), Act<T>::from_float(a.y * p.rot_scale),
+                Act<T>::from_float(a.z * p.rot_scale), Act<T>::from_float(a.w * p.rot_scale),
+                Act<T>::from_float(b.x * p.rot_scale), Act<T>::from_float(b.y * p.rot_scale),
+                Act<T>::from_float(b.z * p.rot_scale), Act<T>::from_float(b.w * p.rot_scale)};
+      *reinterpret_cast<uint4*>(xs + r * xsw + 4 * c) = *reinterpret_cast<const uint4*>(o);
+    }
+    __syncthreads();  // z is free for the next row
+  }
+}
+
 template <class DA, class DB, class T>
 __global__ void __launch_bounds__(MAX_WARPS * 32, 1) gemv_kernel(const GemvParams p) {
   using PR = Pair<DA, DB>;
@@ -248,6 +313,7 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, 1) gemv_kernel(const GemvParam
   const int nw = p.nw, nt = nw * 32;
   const size_t ub = red_bytes(RR, nw) > xs_bytes(p.cgc, p.m) ? red_bytes(RR, nw) : xs_bytes(p.cgc, p.m);
   float4* cpart = reinterpret_cast<float4*>(reinterpret_cast<char*>(xs) + ub);  // [2][CS][RR][32]
+  float* rot = reinterpret_cast<float*>(reinterpret_cast<char*>(cpart) + cpart_bytes(RR, p.cs));  // [n]
 
   pdl_launch_dependents();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -290,7 +356,8 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, 1) gemv_kernel(const GemvParam
   fill_table<L>(lut, p.lut);
   // 2. x may be written by the previous kernel: wait for it (no-op without PDL)
   pdl_wait();
-  stage_x<T>(p, xs, rank);
+  if (p.signs) stage_x_rotated<T>(p, xs, rot);
+  else stage_x<T>(p, xs, rank);
   if (p.cs > 1) cluster_sync();  // also: every CTA of the cluster has started (DSMEM)
   else __syncthreads();
   uint32_t bx[NG * 8][2];
@@ -505,9 +572,11 @@ int launch_gemv(const GemvArgs& a) {
   // the smallest K split (1 CTA, or clusters of 2, 4, 8 on Hopper) whose warps and shared memory fit
   int cs = 0, nw = 0, cgc = 0;
   size_t smem = 0;
-  for (int c = 1; c <= (dev.major >= 9 ? 8 : 1); c *= 2) {
+  const bool rotate = a.signs != nullptr;
+  if (rotate && ((a.cols & (a.cols - 1)) != 0 || gtot * 128 != a.cols)) return UNSUPPORTED;
+  for (int c = 1; c <= (dev.major >= 9 && !rotate ? 8 : 1); c *= 2) {  // rotation: the whole K in a CTA
     const int g = (gtot + c - 1) / c, w = (g + NG - 1) / NG;
-    const size_t s = gemv_smem<L>(PR::RR, w, g, c, a.m);
+    const size_t s = gemv_smem<L>(PR::RR, w, g, c, a.m, rotate ? a.cols : 0);
     if (w <= MAX_WARPS && s <= static_cast<size_t>(dev.smem_optin)) {
       cs = c, nw = w, cgc = g, smem = s;
       break;
@@ -551,6 +620,9 @@ int launch_gemv(const GemvArgs& a) {
   p.row_scale = static_cast<const __half*>(a.row_scale);
   p.lut = static_cast<const uint32_t*>(a.lut);
   p.m = a.m;
+  p.signs = static_cast<const uint8_t*>(a.signs);
+  p.log2n = rotate ? __builtin_ctz(a.cols) : 0;
+  p.rot_scale = rotate ? 1.0f / sqrtf(static_cast<float>(a.cols)) : 1.0f;
   cfg.gridDim = dim3(p.ncl * cs);
   if (a.pdl && dev.major >= 9) {
     attrs[na].id = cudaLaunchAttributeProgrammaticStreamSerialization;

@@ -19,10 +19,12 @@ struct Codes {
   int groups_b, tiles_b;
 };
 
-// y[m, rows] = x[m, cols] · (decode(codes) ⊙ row_scale)ᵀ for 1 ≤ m ≤ 8.
+// y[m, rows] = x[m, cols] · (decode(codes) ⊙ row_scale)ᵀ for 1 ≤ m ≤ 8; with `signs`,
+// x ← H(s ⊙ x)/√cols first (the online rotation fused: cols a power of two, no K split).
 struct GemvArgs {
   Codes codes;
   const void* x;          // activations (m, ldx) in dtype
+  const uint8_t* signs;   // bit-packed rotation signs (cols/8 bytes, MSB first, set = −1) or nullptr
   long long ldx;
   void* y;                // output (m, ldy) in dtype
   long long ldy;
