@@ -2,7 +2,7 @@
 
 They are torch.library custom ops, `qpalette::rotate`, `qpalette::quantized_matmul` and the two
 in one, `qpalette::rotated_matmul` (the GEMV rotates the activations in its prologue when the
-input size is a power of two: no separate rotation kernel on the decode path), with fake
+input size is a power of two up to 4096; opt-in, see `fuses_rotation`), with fake
 implementations so that torch.compile and CUDA-graph capture see ordinary ops. The matmul takes
 the runtime tensors: the checkpoint's, code tensors in the lane-major layout (runtime/lanes.py).
 Each op has two implementations registered:
@@ -78,10 +78,22 @@ def rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     return torch.ops.qpalette.rotate(x, signs)
 
 
+@torch.compiler.assume_constant_result
+def _fused_rotation_on() -> bool:
+    return os.environ.get("QPALETTE_FUSED_ROTATION", "0") == "1"
+
+
 def fuses_rotation(in_features: int) -> bool:
-    """Whether `rotated_matmul` can rotate inside the GEMV for this input size (else the layers
-    share one rotation per input group and call `quantized_matmul`)."""
-    n = in_features
+    """Whether the layers call `rotated_matmul` (the GEMV rotates x itself) for this input size,
+    else one rotation shared by the input group and `quantized_matmul`. Opt-in
+    (QPALETTE_FUSED_ROTATION=1) while the in-kernel transform is slower than it should be:
+    measured on the H100 (8B synthetic, 2-bit) it gains 6% in the batch-1 forward loop but loses
+    28% at batch 8 and 19% through generate (results/kernels_h100/v2/README.md)."""
+    return _fused_rotation_on() and gemv_rotates(in_features)
+
+
+def gemv_rotates(n: int) -> bool:
+    """Input sizes the GEMV can rotate itself: powers of two a CTA holds whole (128..4096)."""
     return 128 <= n <= FUSED_ROTATION_MAX_N and n & (n - 1) == 0
 
 

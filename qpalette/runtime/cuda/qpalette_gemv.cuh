@@ -175,7 +175,7 @@ struct Pair {
 __host__ __device__ constexpr size_t red_bytes(int rr, int nw) { return size_t(2) * rr * nw * 32 * 16; }
 __host__ __device__ constexpr size_t xs_bytes(int cgc, int m) { return size_t(m) * (cgc * 64 + 4) * 4; }
 __host__ __device__ constexpr size_t cpart_bytes(int rr, int cs) { return cs > 1 ? size_t(2) * cs * rr * 32 * 16 : 0; }
-__host__ __device__ constexpr size_t rot_bytes(int n) { return size_t(n) * 4; }
+__host__ __device__ constexpr size_t rot_bytes(int n) { return size_t(2) * n * 4; }  // z, double buffered
 template <class L>
 __host__ __device__ constexpr size_t gemv_smem(int rr, int nw, int cgc, int cs, int m, int rot_n) {
   return size_t(L::WORDS) * 4 + (red_bytes(rr, nw) > xs_bytes(cgc, m) ? red_bytes(rr, nw) : xs_bytes(cgc, m)) +
@@ -240,64 +240,81 @@ __device__ __forceinline__ void stage_x(const GemvParams& p, uint32_t* xs, int r
   }
 }
 
-// One level group of the fast Walsh-Hadamard transform on z (n floats): butterflies on index bits
-// [b, b + w), w ≤ 3, a group of 2^w elements a thread in registers.
-__device__ __forceinline__ void fwht_pass(float* z, int n, int b, int w) {
-  const int groups = n >> w, size = 1 << w;
-  for (int g = threadIdx.x; g < groups; g += blockDim.x) {
-    const int base = ((g >> b) << (b + w)) | (g & ((1 << b) - 1));
-    float v[8];
+// Staging with the rotation fused: x ← H(s ⊙ x)/√n, n = 2^p (128..4096), in fp32, rounded to the
+// activation dtype into the x buffer: the reference's numbers. Thread t of the first n/8 holds
+// elements 8t..8t+7: index bits 0-2 are butterflies in registers, bits 3-7 butterflies between
+// lanes (shuffles); bits 8.. (n > 256) go through one transpose in shared memory z (double
+// buffered by row, so one barrier a row): thread t' then holds 8 elements whose bits 8..10 vary
+// (n = 4096: bit 11 between lanes t' and t' ^ 1). The next row's x is loaded while this one is
+// transformed. Needs the whole, unpadded K in this CTA (cs = 1, cols = groups · 128).
+__device__ __forceinline__ void butterflies_in_registers(float (&v)[8], int levels) {
 #pragma unroll
-    for (int k = 0; k < 8; ++k)
-      if (k < size) v[k] = z[base + (k << b)];
+  for (int l = 0; l < 3; ++l)
+    if (l < levels)
 #pragma unroll
-    for (int l = 0; l < 3; ++l)
-      if (l < w)
+      for (int k = 0; k < 8; ++k)
+        if (!(k & (1 << l))) {
+          const float a = v[k], c = v[k | (1 << l)];
+          v[k] = a + c;
+          v[k | (1 << l)] = a - c;
+        }
+}
+__device__ __forceinline__ void butterflies_between_lanes(float (&v)[8], int lane_mask) {
+  const int lane = threadIdx.x & 31;
 #pragma unroll
-        for (int k = 0; k < 8; ++k)
-          if (k < size && !(k & (1 << l))) {
-            const float a = v[k], c = v[k | (1 << l)];
-            v[k] = a + c;
-            v[k | (1 << l)] = a - c;
-          }
-#pragma unroll
-    for (int k = 0; k < 8; ++k)
-      if (k < size) z[base + (k << b)] = v[k];
+  for (int k = 0; k < 8; ++k) {
+    const float o = __shfl_xor_sync(0xffffffffu, v[k], lane_mask);
+    v[k] = lane & lane_mask ? o - v[k] : v[k] + o;
   }
 }
+// phase-2 element of thread t', register k (r = p − 8 transposed bits)
+__device__ __forceinline__ int phase2_index(int t, int k, int r) {
+  if (r == 4) return (k << 8) | ((t & 1) << 11) | (t >> 1);
+  return ((k & ((1 << r) - 1)) << 8) | (k >> r) | (t << (3 - r));
+}
 
-// Staging with the rotation fused: row by row, s ⊙ x in fp32 into z, the transform, then
-// H(s ⊙ x)/√n rounded to the activation dtype into the x buffer — the reference's numbers.
-// Needs the whole, unpadded K in this CTA (cs = 1, cols = groups · 128).
 template <class T>
 __device__ __forceinline__ void stage_x_rotated(const GemvParams& p, uint32_t* xs, float* z) {
-  const int n = 1 << p.log2n, xsw = p.cgc * 64 + 4;
-  for (int r = 0; r < p.m; ++r) {
-    const uint4* xr = reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(p.x) + r * p.ldx);
-    for (int c = threadIdx.x; c < n / 8; c += blockDim.x) {  // 8 elements, one sign byte
-      const uint4 v = __ldg(xr + c);
-      const uint32_t sb = p.signs[c];
-      const T* e = reinterpret_cast<const T*>(&v);
-      float f[8];
+  const int n = 1 << p.log2n, xsw = p.cgc * 64 + 4, r = p.log2n - 8;
+  const int t = threadIdx.x, active = t < n / 8;
+  const uint32_t sb = active ? p.signs[t] : 0u;
+  auto load = [&](int row) {
+    return active && row < p.m ? __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(p.x) + row * p.ldx) + t)
+                               : make_uint4(0, 0, 0, 0);
+  };
+  uint4 next = load(0);
+  for (int row = 0; row < p.m; ++row) {
+    const uint4 cur = next;
+    next = load(row + 1);
+    const T* e = reinterpret_cast<const T*>(&cur);
+    float v[8];
 #pragma unroll
-      for (int k = 0; k < 8; ++k) f[k] = (sb >> (7 - k)) & 1u ? -Act<T>::to_float(e[k]) : Act<T>::to_float(e[k]);
-      reinterpret_cast<float4*>(z)[2 * c] = make_float4(f[0], f[1], f[2], f[3]);
-      reinterpret_cast<float4*>(z)[2 * c + 1] = make_float4(f[4], f[5], f[6], f[7]);
+    for (int k = 0; k < 8; ++k) v[k] = (sb >> (7 - k)) & 1u ? -Act<T>::to_float(e[k]) : Act<T>::to_float(e[k]);
+    butterflies_in_registers(v, 3);
+    for (int b = 3; b < p.log2n && b < 8; ++b) butterflies_between_lanes(v, 1 << (b - 3));
+    T* out = reinterpret_cast<T*>(xs + row * xsw);
+    if (r <= 0) {
+      if (active) {
+        T o[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) o[k] = Act<T>::from_float(v[k] * p.rot_scale);
+        *reinterpret_cast<uint4*>(out + 8 * t) = *reinterpret_cast<const uint4*>(o);
+      }
+      continue;
+    }
+    float* zb = z + (row & 1) * n;
+    if (active) {
+      reinterpret_cast<float4*>(zb)[2 * t] = make_float4(v[0], v[1], v[2], v[3]);
+      reinterpret_cast<float4*>(zb)[2 * t + 1] = make_float4(v[4], v[5], v[6], v[7]);
     }
     __syncthreads();
-    for (int b = 0; b < p.log2n; b += 3) {
-      fwht_pass(z, n, b, p.log2n - b < 3 ? p.log2n - b : 3);
-      __syncthreads();
-    }
-    for (int c = threadIdx.x; c < n / 8; c += blockDim.x) {
-      const float4 a = reinterpret_cast<const float4*>(z)[2 * c], b = reinterpret_cast<const float4*>(z)[2 * c + 1];
-      T o[8] = {Act<T>::from_float(a.x * p.rot_scale), Act<T>::from_float(a.y * p.rot_scale),
-                Act<T>::from_float(a.z * p.rot_scale), Act<T>::from_float(a.w * p.rot_scale),
-                Act<T>::from_float(b.x * p.rot_scale), Act<T>::from_float(b.y * p.rot_scale),
-                Act<T>::from_float(b.z * p.rot_scale), Act<T>::from_float(b.w * p.rot_scale)};
-      *reinterpret_cast<uint4*>(xs + r * xsw + 4 * c) = *reinterpret_cast<const uint4*>(o);
-    }
-    __syncthreads();  // z is free for the next row
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = active ? zb[phase2_index(t, k, r)] : 0.f;
+    butterflies_in_registers(v, r < 3 ? r : 3);
+    if (r == 4) butterflies_between_lanes(v, 1);
+    if (active)
+#pragma unroll
+      for (int k = 0; k < 8; ++k) out[phase2_index(t, k, r)] = Act<T>::from_float(v[k] * p.rot_scale);
   }
 }
 
