@@ -86,9 +86,9 @@ def _fused_rotation_on() -> bool:
 def fuses_rotation(in_features: int) -> bool:
     """Whether the layers call `rotated_matmul` (the GEMV rotates x itself) for this input size,
     else one rotation shared by the input group and `quantized_matmul`. Opt-in
-    (QPALETTE_FUSED_ROTATION=1) while the in-kernel transform is slower than it should be:
-    measured on the H100 (8B synthetic, 2-bit) it gains 6% in the batch-1 forward loop but loses
-    28% at batch 8 and 19% through generate (results/kernels_h100/v2/README.md)."""
+    (QPALETTE_FUSED_ROTATION=1) while it does not win everywhere: measured on the H100 (16-block
+    8B synthetic, 2-bit) it gains 9% in the compiled batch-1 loop but loses 12% at batch 8 and
+    17% through eager generate (results/kernels_h100/v2/README.md)."""
     return _fused_rotation_on() and gemv_rotates(in_features)
 
 
