@@ -120,7 +120,12 @@ def kernels(bench: dict, figdir: Path) -> list[str]:
         half = sorted((r["bits"], r["us"]) for r in sel if r["entry"].startswith("half-tcq"))
         if half:
             ax.plot(*zip(*half), "x-", label="half-TCQ")
-        qs = sorted((r["bits"], r["bytes"] / bw * 1e6) for r in sel if r["entry"] != "fp16")
+        qs = sorted((r["bits"], r["bytes"] / bw * 1e6) for r in sel
+                    if r["entry"] != "fp16" and not r["entry"].startswith("gemlite"))
+        for nbits, mark in ((4, "v"), (2, "^")):
+            g = next((r for r in sel if r["entry"] == f"gemlite-w{nbits}g64"), None)
+            if g:
+                ax.plot([g["bits"]], [g["us"]], mark, color="tab:red", label=f"gemlite W{nbits} g64")
         ax.plot(*zip(*qs), "k:", label="roofline (bytes / copy bw)")
         if fp:
             ax.axhline(fp["us"], color="gray", ls="--", label=f"FP16 cuBLAS {fp['us']:.1f} µs")
