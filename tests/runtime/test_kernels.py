@@ -138,7 +138,7 @@ def test_rotation_fused_into_the_gemv(ext, name, dtype):
             if m <= ops.FUSED_MAX_ROWS:
                 fused = run_fused(ext, name, x, tensors, rows, signs=signs)
                 whole = cols % (256 if get_quantizer(name).family == "half-tcq" else 128) == 0  # no padded group
-                assert (fused is not None) == (ops.fuses_rotation(cols) and whole), (rows, cols)
+                assert (fused is not None) == (ops.gemv_rotates(cols) and whole), (rows, cols)
 
 
 def test_every_entry_has_a_kernel(ext):

@@ -46,6 +46,8 @@ def test_rotated_matmul_is_rotate_then_matmul(name):
                           (x, signs, codes, codes_b, tensors["row_scale"], get_quantizer(name).name, rows))
 
 
-def test_fused_rotation_sizes():
+def test_fused_rotation_sizes_and_opt_in(monkeypatch):
+    assert not ops.fuses_rotation(4096)  # off by default
+    monkeypatch.setenv("QPALETTE_FUSED_ROTATION", "1")
     assert ops.fuses_rotation(4096) and ops.fuses_rotation(128) and not ops.fuses_rotation(8192)
     assert not ops.fuses_rotation(576) and not ops.fuses_rotation(14336) and not ops.fuses_rotation(64)
