@@ -13,9 +13,10 @@
 // warps meet by named barriers as producers and consumers (bar.arrive/bar.sync): only the
 // reducers wait for a round's partials; the others wait only for the buffer of two rounds back.
 // With CS > 1 the CTA sums go to rank 0 through distributed shared memory. No global atomics, no
-// workspace, deterministic. The table, the codes of the first items and the row scales are
-// fetched before `griddepcontrol.wait`: with programmatic dependent launch that prologue
-// overlaps the previous kernel; x is read and y written only after it.
+// workspace, deterministic. The table and the codes of the first items are fetched before
+// `griddepcontrol.wait`: with programmatic dependent launch that prologue overlaps the previous
+// kernel; x is read and y written only after it (the reducers fetch each round's row scales at
+// the round's start). With `signs` the staging also rotates x (stage_x_rotated).
 // half-TCQ: segment 0 (codes_a, the first half of the columns) and segment 1 (codes_b) are
 // consecutive ranges of groups; a warp decodes each group with its segment's decoder.
 #pragma once
