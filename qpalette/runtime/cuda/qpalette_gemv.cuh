@@ -536,26 +536,36 @@ inline void segments(const Codes& c, Segment (&seg)[2]) {
 }
 
 struct DeviceInfo {
-  int smem_optin = 0;  // bytes of shared memory a block may opt in to
+  int index = 0;
+  int smem_optin = 0;  // bytes of shared memory a block may opt in to (0: not read yet)
   int major = 0;
 };
 
-inline int device_info(DeviceInfo& d) {
-  int dev = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&d.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, dev);
-  return e;
+// The current device and its properties, read once per device: launches are on the decode
+// path, where host time counts.
+inline int current_device(DeviceInfo& d) {
+  static DeviceInfo known[64];
+  int index = 0;
+  if (cudaError_t e = cudaGetDevice(&index)) return e;
+  if (index < 0 || index >= 64) return UNSUPPORTED;
+  DeviceInfo& k = known[index];
+  if (k.smem_optin == 0) {
+    DeviceInfo r;
+    r.index = index;
+    if (cudaError_t e = cudaDeviceGetAttribute(&r.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, index)) return e;
+    if (cudaError_t e = cudaDeviceGetAttribute(&r.major, cudaDevAttrComputeCapabilityMajor, index)) return e;
+    k = r;
+  }
+  d = k;
+  return OK;
 }
 
 // Co-resident CTAs (cs = 1) or clusters (cs > 1) of this kernel configuration, cached: the query
 // costs more than a launch.
 template <class K>
-int resident(K kern, const cudaLaunchConfig_t& cfg, int cs, int num_sms, int& out) {
+int resident(K kern, const cudaLaunchConfig_t& cfg, int cs, int num_sms, int dev, int& out) {
   static std::mutex mu;
   static std::map<std::tuple<const void*, int, int, unsigned, size_t>, int> cache;
-  int dev = 0;
-  cudaGetDevice(&dev);
   const auto key = std::make_tuple(reinterpret_cast<const void*>(kern), dev, cs, cfg.blockDim.x, cfg.dynamicSmemBytes);
   std::lock_guard<std::mutex> lock(mu);
   auto it = cache.find(key);
@@ -581,7 +591,7 @@ int launch_gemv(const GemvArgs& a) {
   using L = typename PR::L;
   auto kern = gemv_kernel<DA, DB, T>;
   DeviceInfo dev;
-  if (int e = device_info(dev)) return e;
+  if (int e = current_device(dev)) return e;
   GemvParams p{};
   segments(a.codes, p.seg);
   const int gtot = p.seg[0].cg + p.seg[1].cg;
@@ -602,12 +612,9 @@ int launch_gemv(const GemvArgs& a) {
   }
   if (cs == 0) return UNSUPPORTED;
   static bool attr_set[64];
-  int d = 0;
-  cudaGetDevice(&d);
-  if (d < 0 || d >= 64) return UNSUPPORTED;
-  if (!attr_set[d]) {
+  if (!attr_set[dev.index]) {
     if (cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, dev.smem_optin)) return e;
-    attr_set[d] = true;
+    attr_set[dev.index] = true;
   }
   cudaLaunchAttribute attrs[2];
   int na = 0;
@@ -626,7 +633,7 @@ int launch_gemv(const GemvArgs& a) {
   cfg.numAttrs = na;
   cfg.gridDim = dim3(cs);  // the occupancy query wants a whole cluster
   int slots = 0;
-  if (int e = resident(kern, cfg, cs, a.num_sms, slots)) return e;
+  if (int e = resident(kern, cfg, cs, a.num_sms, dev.index, slots)) return e;
   p.ncl = p.rt < slots ? p.rt : slots;
   p.cs = cs;
   p.cgc = cgc;
@@ -656,13 +663,12 @@ int launch_dequant(const DequantArgs& a) {
   using L = typename Pair<DA, DB>::L;
   auto kern = dequant_kernel<DA, DB, T>;
   constexpr size_t smem = size_t(L::WORDS) * 4;
+  DeviceInfo dev;
+  if (int e = current_device(dev)) return e;
   static bool attr_set[64];
-  int d = 0;
-  cudaGetDevice(&d);
-  if (d < 0 || d >= 64) return UNSUPPORTED;
-  if (!attr_set[d]) {
+  if (!attr_set[dev.index]) {
     if (cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)) return e;
-    attr_set[d] = true;
+    attr_set[dev.index] = true;
   }
   DequantParams p{};
   segments(a.codes, p.seg);
