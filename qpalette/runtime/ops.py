@@ -301,12 +301,17 @@ def _qmm_op(
 def _(x, codes, codes_b, row_scale, quantizer, out_features):
     if not (_kernel_dtype(x) and _kernels_ok()):
         return _qmm_reference(x, codes, codes_b, row_scale, quantizer, out_features)
+    return _qmm_cuda(x, codes, codes_b, row_scale, quantizer, out_features)
+
+
+def _qmm_cuda(x, codes, codes_b, row_scale, quantizer, out_features, signs=None):
+    """Both matmul ops on the kernels: all leading dimensions of x as activation rows."""
     lead, n_in = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, n_in).contiguous()
     if x2.shape[0] == 0:
         return x.new_empty((*lead, out_features))
     y = _qmm_kernels(x2, codes.contiguous(), codes_b.contiguous() if codes_b is not None else None,
-                     row_scale, quantizer, out_features)
+                     row_scale, quantizer, out_features, signs.contiguous() if signs is not None else None)
     return y.reshape(*lead, out_features)
 
 
@@ -353,13 +358,7 @@ def _rotated_qmm_op(
 def _(x, signs, codes, codes_b, row_scale, quantizer, out_features):
     if not (_kernel_dtype(x) and _kernels_ok()):
         return _qmm_reference(rotate_reference(x, signs), codes, codes_b, row_scale, quantizer, out_features)
-    lead, n_in = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, n_in).contiguous()
-    if x2.shape[0] == 0:
-        return x.new_empty((*lead, out_features))
-    y = _qmm_kernels(x2, codes.contiguous(), codes_b.contiguous() if codes_b is not None else None,
-                     row_scale, quantizer, out_features, signs.contiguous())
-    return y.reshape(*lead, out_features)
+    return _qmm_cuda(x, codes, codes_b, row_scale, quantizer, out_features, signs)
 
 
 @_rotated_qmm_op.register_fake

@@ -49,12 +49,6 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def codes_of(name: str, tensors: dict[str, torch.Tensor]):
-    if get_quantizer(name).family == "half-tcq":
-        return tensors["codes_a"], tensors["codes_b"]
-    return tensors["codes"], None
-
-
 def poison(shape, dtype):
     """Fill a block of the caching allocator with NaN and free it: the kernel's output of the same
     size, allocated next, lands there."""
@@ -64,7 +58,7 @@ def poison(shape, dtype):
 def run_fused(ext, name, x2, tensors, rows, pdl=True, signs=None):
     """The fused GEMV straight through the extension (None: it does not take this shape)."""
     spec = ops.kernel_spec(name)
-    a, b = codes_of(name, tensors)
+    a, b = ops.code_tensors(name, tensors)
     poison((x2.shape[0], rows), x2.dtype)
     return ext.gemv(x2, a, b, tensors["row_scale"], ops.lut(name, x2.dtype, x2.device), ext.FAMILY_CODES[spec.family],
                     spec.p0, spec.p1, rows, torch.cuda.current_stream().cuda_stream,
@@ -73,7 +67,7 @@ def run_fused(ext, name, x2, tensors, rows, pdl=True, signs=None):
 
 def run_dequant(ext, name, tensors, shape, dtype):
     spec = ops.kernel_spec(name)
-    a, b = codes_of(name, tensors)
+    a, b = ops.code_tensors(name, tensors)
     poison(shape, dtype)
     return ext.dequant(a, b, tensors["row_scale"], ops.lut(name, dtype, a.device), ext.FAMILY_CODES[spec.family],
                        spec.p0, spec.p1, shape[0], shape[1], dtype, torch.cuda.current_stream().cuda_stream,
