@@ -101,16 +101,6 @@ def unpack_codes(lanes: torch.Tensor, col_tiles: int, tile_words: int) -> torch.
     return torch.cat(parts)
 
 
-def lane_specs(quantizer: str, rows: int, cols: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Name → (shape, dtype) of the tensors after `pack` (the checkpoint's `tensor_specs` with
-    every code tensor in the lane-major shape)."""
-    specs = dict(get_quantizer(quantizer).tensor_specs(rows, cols))
-    for name in code_names(quantizer):
-        (rt, ct, w), dtype = specs[name]
-        specs[name] = ((rt, groups(ct), LANES * group_words(w)), dtype)
-    return specs
-
-
 def pack(quantizer: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The checkpoint's stored tensors → the runtime's (code tensors lane-major)."""
     out = dict(tensors)

@@ -12,8 +12,9 @@ Buffers carry exactly the names, shapes and dtypes of the stored tensors (`Quant
 tensor_specs`, bit-packed `signs`), so a module built empty (on the meta device) loads a
 checkpoint as it is. The first call that runs the ops (the loader's warm-up token on CUDA)
 regroups the code buffers in place into the kernels' lane-major layout (runtime/lanes.py: the
-same bytes, one copy); `state_dict()` and `load_state_dict()` still speak the checkpoint's layout. fp16 buffers (row scales, codebooks) keep their dtype through
-`model.to(dtype)`/`.half()`: a cast would change the stored numbers. Nothing here subclasses
+same bytes, one copy); `state_dict()` and `load_state_dict()` still speak the checkpoint's
+layout. fp16 buffers (row scales, codebooks) keep their dtype through `model.to(dtype)`/
+`.half()`: a cast would change the stored numbers. Nothing here subclasses
 `nn.Linear`: transformers re-initialises those.
 """
 

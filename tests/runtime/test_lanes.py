@@ -26,8 +26,10 @@ def test_pack_unpack_roundtrip(name):
     rows, cols = shape_for(name, 13)  # 13 tiles: a padded last group
     tensors = get_quantizer(name).random_tensors(rows, cols, torch.Generator().manual_seed(1))
     packed = lanes.pack(name, tensors)
-    for k, (shape, dtype) in lanes.lane_specs(name, rows, cols).items():
-        assert packed[k].shape == shape and packed[k].dtype == dtype
+    for k in lanes.code_names(name):  # 13 tiles → 2 groups; W/4 words a lane a group
+        rt, _, w = tensors[k].shape
+        assert packed[k].shape == (rt, 2, 32 * w // 4) and packed[k].dtype == torch.int32
+    assert torch.equal(packed["row_scale"], tensors["row_scale"])
     back = lanes.unpack(name, packed, (rows, cols))
     assert all(torch.equal(back[k], tensors[k]) for k in tensors)
 
