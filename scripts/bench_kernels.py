@@ -52,9 +52,9 @@ B8_OVER_B1_MAX = 1.25
 GEMLITE_GROUP = 64
 
 
-def time_gemlite(rows: int, cols: int, batches, nbits: int, dtype) -> dict[int, float] | None:
-    """{batch: seconds} of a gemlite GemLiteLinear (W{nbits}, group 64, random weights), timed like ours;
-    None without gemlite."""
+def time_gemlite(rows: int, cols: int, batches, nbits: int, dtype) -> tuple[dict[int, float], int] | None:
+    """({batch: seconds}, stored bytes) of a gemlite GemLiteLinear (W{nbits}, group 64, random
+    weights), timed like ours; None without gemlite."""
     try:
         import gemlite
         from gemlite import DType, GemLiteLinear
@@ -83,7 +83,7 @@ def time_gemlite(rows: int, cols: int, batches, nbits: int, dtype) -> dict[int, 
         x = torch.randn(m, cols, device="cuda", dtype=dtype)
         out[m] = kt.time_graph([lambda lin=lin: lin(x) for lin in layers])
     del layers
-    return out
+    return out, nbytes
 
 
 def main() -> None:
@@ -119,11 +119,12 @@ def main() -> None:
                              "us": fp16[m] * 1e6, "bytes": r * c * 2 + 2 * m * (r + c),
                              "roofline_fraction": (r * c * 2 + 2 * m * (r + c)) / bw / fp16[m]})
         for nbits in (4, 2):
-            g = time_gemlite(r, c, batches, nbits, dtype)
-            if g is None:
+            timed = time_gemlite(r, c, batches, nbits, dtype)
+            if timed is None:
                 continue
+            g, nbytes = timed
             for m in batches:
-                moved = r * c * nbits // 8 + 4 * r * c // GEMLITE_GROUP + 2 * m * (r + c)
+                moved = nbytes + 2 * m * (r + c)
                 rows_out.append({"shape": label, "rows": r, "cols": c, "entry": f"gemlite-w{nbits}g64",
                                  "bits": nbits + 32 / GEMLITE_GROUP, "batch": m, "us": g[m] * 1e6, "bytes": moved,
                                  "roofline_fraction": moved / bw / g[m], "speedup_vs_fp16": fp16[m] / g[m]})
@@ -150,24 +151,25 @@ def main() -> None:
                   "totalling >= l2_flush_bytes",
         "rotate_us": {str(n): {str(m): t * 1e6 for m, t in v.items()} for n, v in rot.items()},
     }
-    checks = gates(rows_out, batches)
-    meta["gates"] = checks
-    (out / "bench_kernels.json").write_text(json.dumps({"meta": meta, "rows": rows_out}, indent=1))
-    md = render(rows_out, batches, meta)
-    (out / "bench_kernels.md").write_text(md)
+    md = report(out, rows_out, batches, meta)
     print(md)
-    if args.gate and not all(c["met"] for c in checks):
+    if args.gate and not all(c["met"] for c in meta["gates"]):
         sys.exit(1)
+
+
+def report(out: Path, rows, batches, meta) -> str:
+    """Gates into meta, then bench_kernels.json and .md under `out`; returns the markdown."""
+    meta["gates"] = gates(rows, batches)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_kernels.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    md = render(rows, batches, meta)
+    (out / "bench_kernels.md").write_text(md)
+    return md
 
 
 def regate(path: Path, out: Path) -> None:
     data = json.loads(path.read_text())
-    rows, meta = data["rows"], data["meta"]
-    batches = sorted({r["batch"] for r in rows})
-    meta["gates"] = gates(rows, batches)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_kernels.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    (out / "bench_kernels.md").write_text(render(rows, batches, meta))
+    report(out, data["rows"], sorted({r["batch"] for r in data["rows"]}), data["meta"])
 
 
 def gates(rows, batches) -> list[dict]:
