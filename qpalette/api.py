@@ -66,7 +66,8 @@ def plan(model: str | None, budget: str | list[str], *, sensitivity: str | Path 
          plot: str | Path | None = None, **options):
     """The plan (docs/method.md §5) minimising predicted loss under `budget` ("3.25bits", "2.4GB",
     "200tok/s"; a list or comma list combines them); written to `output` (and a bits-per-layer PNG to
-    `plot`) when given. `options`: latency_profile, distortion, palette, fuse, batch_size, time_limit_s."""
+    `plot`) when given. `options`: latency_profile, distortion, palette, fuse, batch_size, time_limit_s,
+    lm_head ("auto", "quantize", "keep")."""
     from qpalette.planning.document import plot_plan, write_plan
     from qpalette.planning.planner import plan as make
 
@@ -107,7 +108,7 @@ def compress(model: str, plan_or_scheme: str | Path, out_dir: str | Path, *, log
 
     `plan_or_scheme`: a plan file from `plan`, or one palette entry for every layer ("tcq-3.0").
     `options` are the fields of `qpalette.compression.writer.CompressOptions` (fuse, device, resume,
-    overwrite, sign_seed, quiet, random_codes)."""
+    overwrite, sign_seed, quiet, random_codes, lm_head)."""
     from qpalette.compression.writer import CompressOptions
     from qpalette.compression.writer import compress as run
     from qpalette.quant.palette import get_quantizer

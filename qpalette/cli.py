@@ -140,6 +140,10 @@ def plan(
         None, "--palette", "-p", help="Families and/or entries, e.g. tcq,half-tcq or tcq-2,vq-3.5."
     ),
     no_fuse: bool = typer.Option(False, "--no-fuse", help="No fused qkv / gate_up groups."),
+    lm_head: str = typer.Option(
+        "auto", "--lm-head", help="auto: quantize lm_head under a speed budget (when the sensitivity "
+        "file and latency profile cover it), else keep it 16-bit; quantize; keep."
+    ),
     batch_size: Optional[int] = typer.Option(None, help="Must match the latency profile's."),
     time_limit: float = typer.Option(60.0, help="SCIP time limit in seconds."),
     output: Path = typer.Option(Path("plan.json"), "--output", "-o"),
@@ -168,7 +172,7 @@ def plan(
     p = api.plan(
         model, budget, sensitivity=sensitivity, output=output, plot=png,
         latency_profile=latency_profile, distortion=distortion, palette=palette_,
-        fuse=not no_fuse, batch_size=batch_size, time_limit_s=time_limit,
+        fuse=not no_fuse, batch_size=batch_size, time_limit_s=time_limit, lm_head=lm_head,
     )
     typer.echo(api.describe_plan(p, layers=False))
     typer.echo(f"wrote {output}" + (f" and {png}" if png else ""))
@@ -194,6 +198,9 @@ def compress(
     resume: bool = typer.Option(False, "--resume", help="Continue a killed run (OUTPUT.partial/)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing OUTPUT folder."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    lm_head: bool = typer.Option(
+        False, "--lm-head", help="With --scheme: quantize lm_head too (a plan says for itself)."
+    ),
     random_codes: bool = typer.Option(
         False, "--random-codes", hidden=True,
         help="Speed benchmarks of random-weight models only: random code words, no quantizing.",
@@ -205,7 +212,7 @@ def compress(
         fail("give exactly one of --plan PLAN.json or --scheme ENTRY (e.g. tcq-3.0)")
     rep = api.compress(model, plan_file or scheme, output, fuse=fuse, device=device, resume=resume,
                        overwrite=overwrite, sign_seed=seed, quiet=quiet, random_codes=random_codes,
-                       log=lambda m: typer.echo(m, err=True))
+                       lm_head=lm_head, log=lambda m: typer.echo(m, err=True))
     by = rep["bytes"]
     typer.echo(
         f"wrote {output}: {by['total'] / 1e6:.2f} MB of tensors, {rep['avg_bits']:.3f} bits on "

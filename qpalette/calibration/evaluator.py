@@ -29,12 +29,16 @@ def decoder_blocks(model):
 
 
 def linear_layers(model) -> list[tuple[str, torch.nn.Linear, int]]:
-    """(full name, module, block index) of every nn.Linear inside the decoder blocks, in order."""
+    """(full name, module, block index) of every nn.Linear inside the decoder blocks, in order,
+    then lm_head (block index: one past the last block, where only the head runs)."""
     out = []
-    for j, block in enumerate(decoder_blocks(model)):
+    blocks = decoder_blocks(model)
+    for j, block in enumerate(blocks):
         for name, mod in block.named_modules():
             if isinstance(mod, torch.nn.Linear):
                 out.append((f"model.layers.{j}.{name}", mod, j))
+    if isinstance(model.lm_head, torch.nn.Linear):
+        out.append(("lm_head", model.lm_head, len(blocks)))
     return out
 
 

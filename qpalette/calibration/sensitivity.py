@@ -2,7 +2,7 @@
 
 Loss(Q(W)) − Loss(W) ≈ Σ_l a_l · err_l, with err_l = ‖Q(W_l) − W_l‖²_F / ‖W_l‖²_F.
 
-For every linear layer l inside the decoder blocks and every noise level t_i = t_max · i/levels
+For every linear layer l inside the decoder blocks (and lm_head) and every noise level t_i = t_max · i/levels
 (i = 1..levels) the weight is perturbed in place, W_l ← W_l + t_i · ‖W_l‖_F · ε/‖ε‖_F (by
 default one ε ~ N(0, I) per layer, scaled over the levels; `directions="fresh"` draws one per
 level), and the mean KL divergence of the perturbed model's next-token distribution from the

@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from qpalette.compression.source import SourceCheckpoint
-from qpalette.models.topology import LayerShape
+from qpalette.models.topology import HEAD, LayerShape
 from qpalette.quant.codebooks import codebook
 from qpalette.quant.incoherence import pack_signs, random_signs, rotate_weight
 from qpalette.quant.palette import get_quantizer
@@ -23,12 +23,23 @@ def quantize_matrix(w: torch.Tensor, quantizer: str, signs: torch.Tensor, device
     return {k: v.cpu() for k, v in qm.tensors.items()}
 
 
+def _layer_tensors(w: torch.Tensor, quantizer: str, signs: torch.Tensor, device, random_seed: int | None
+                   ) -> dict[str, torch.Tensor]:
+    """Stored tensors of one matrix (a fused group row-concatenated); with `random_seed`, random
+    code words at the matrix's row scales instead (speed benchmarks of random-weight models)."""
+    if random_seed is None:
+        return quantize_matrix(w, quantizer, signs, device)
+    q = get_quantizer(quantizer)
+    rms = w.float().pow(2).mean(1).sqrt() / q.row_target()
+    return q.random_tensors(*w.shape, torch.Generator().manual_seed(random_seed), row_scale=rms)
+
+
 def quantize_block(src: SourceCheckpoint, block: int, layers: list[LayerShape], layout: Layout,
                    device, half: torch.dtype, on_layer: Callable[[str], None] = lambda n: None,
                    random_codes: bool = False) -> dict[str, torch.Tensor]:
     """All stored tensors of one decoder block."""
     prefix = f"model.layers.{block}."
-    mine = [l for l in layers if l.block == block]
+    mine = [l for l in layers if l.block == block and l.name != HEAD]
     out: dict[str, torch.Tensor] = {}
     signs: dict[str, torch.Tensor] = {}
     for l in mine:
@@ -44,14 +55,8 @@ def quantize_block(src: SourceCheckpoint, block: int, layers: list[LayerShape], 
         on_layer(gname or l.name)
         w = torch.cat([src.get(f"{m}.weight").float() for m in members])
         target = gname or l.name
-        if random_codes:
-            q = get_quantizer(layout.layers[l.name])
-            rms = w.float().pow(2).mean(1).sqrt() / q.row_target()
-            gen = torch.Generator().manual_seed(block * 16 + len(done))
-            tensors = q.random_tensors(*w.shape, gen, row_scale=rms)
-        else:
-            tensors = quantize_matrix(w, layout.layers[l.name], signs[l.input_group], device)
-        for k, v in tensors.items():
+        seed = block * 16 + len(done) if random_codes else None
+        for k, v in _layer_tensors(w, layout.layers[l.name], signs[l.input_group], device, seed).items():
             out[f"{target}.{k}"] = v
         biases = [f"{m}.bias" for m in members if f"{m}.bias" in src.files]
         if biases:
@@ -65,16 +70,34 @@ def quantize_block(src: SourceCheckpoint, block: int, layers: list[LayerShape], 
     return out
 
 
-def other_tensors(src: SourceCheckpoint, cfg: dict, layout: Layout, half: torch.dtype) -> dict[str, torch.Tensor]:
-    """Embeddings, final norm, lm_head (unless tied) in 16-bit, and the codebooks (fp16)."""
+def head_weight(src: SourceCheckpoint, cfg: dict) -> torch.Tensor:
+    """lm_head's weight: its own tensor, or the embedding it is tied to."""
+    if "lm_head.weight" in src.files and not cfg.get("tie_word_embeddings", False):
+        return src.get("lm_head.weight")
+    return src.get("model.embed_tokens.weight")
+
+
+def other_tensors(src: SourceCheckpoint, cfg: dict, layout: Layout, device, half: torch.dtype,
+                  random_codes: bool = False) -> dict[str, torch.Tensor]:
+    """Embeddings, final norm, lm_head (16-bit unless tied; quantized when the layout names it,
+    with its own rotation) and the codebooks (fp16)."""
     out = {}
+    quantized_head = HEAD in layout.layers
     for name in src.files:
         if name.startswith("model.layers."):
             continue
-        if name == "lm_head.weight" and cfg.get("tie_word_embeddings", False):
+        if name == "lm_head.weight" and (quantized_head or cfg.get("tie_word_embeddings", False)):
             continue
         t = src.get(name)
         out[name] = t.to(half) if t.is_floating_point() else t
+    if quantized_head:
+        w = head_weight(src, cfg).float()
+        blocks = cfg["num_hidden_layers"]
+        signs = random_signs(w.shape[1], sign_seed(layout.sign_seed, blocks, "head"))
+        out[f"{layout.rotation_of(HEAD)}.signs"] = pack_signs(signs)
+        seed = blocks * 16 if random_codes else None
+        for k, v in _layer_tensors(w, layout.layers[HEAD], signs, device, seed).items():
+            out[f"{HEAD}.{k}"] = v
     for cb in layout.codebooks:
         out[f"{CODEBOOKS_MODULE}.{buffer_name(cb)}"] = codebook(cb).to(torch.float16)
     return out

@@ -27,12 +27,14 @@ def layout_from_scheme(scheme: str, layers: list[LayerShape], fuse: bool, seed: 
     return Layout({l.name: q for l in layers}, groups, seed)
 
 
-def layout_from_plan(path: Path, layers: list[LayerShape], fuse: bool, seed: int) -> tuple[Layout, Plan]:
-    """The layout a plan file asks for; refuses a plan made for another model."""
+def layout_from_plan(path: Path, layers: list[LayerShape], fuse: bool, seed: int,
+                     head: LayerShape | None = None) -> tuple[Layout, Plan]:
+    """The layout a plan file asks for (lm_head `head` quantized if the plan names it); refuses a
+    plan made for another model."""
     plan = Plan.load(path)
-    known = {l.name: l for l in layers}
+    known = {l.name: l for l in layers + ([head] if head is not None else [])}
     extra = sorted(set(plan.layers) - set(known))
-    missing = sorted(set(known) - set(plan.layers))
+    missing = sorted({l.name for l in layers} - set(plan.layers))
     if extra or missing:
         raise CompressError(
             f"plan {path} does not match the model: "
@@ -63,7 +65,7 @@ def check_shapes(layout: Layout, layers: list[LayerShape]) -> None:
         try:
             get_quantizer(layout.layers[l.name]).check_shape(l.out_features, l.in_features)
             decompose(l.in_features)
-        except (UnsupportedShape, UnsupportedShape) as e:
+        except UnsupportedShape as e:
             problems.append(f"{l.name} ({layout.layers[l.name]}): {e}")
     if problems:
         raise CompressError("unsupported layer shapes:\n  " + "\n  ".join(problems[:10]))

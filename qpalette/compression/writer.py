@@ -31,7 +31,7 @@ from qpalette.compression.source import SourceCheckpoint, half_dtype
 from qpalette.devices import resolve_device
 from qpalette.errors import CompressError, ModelError, UnknownQuantizer
 from qpalette.fileio import atomic_write, atomic_write_json, read_json_object
-from qpalette.models.topology import LayerShape, check_config, linear_layers, load_config
+from qpalette.models.topology import HEAD, LayerShape, check_config, head_layer, linear_layers, load_config
 from qpalette.planning.document import Plan
 from qpalette.quant.palette import get_quantizer
 from qpalette.runtime.checkpoint import Layout
@@ -58,6 +58,7 @@ class CompressOptions:
     sign_seed: int = 0
     quiet: bool = False
     random_codes: bool = False  # speed benchmarks of random-weight models: skip the quantizer
+    lm_head: bool = False  # with a scheme: quantize lm_head too (a plan says for itself)
 
 
 @dataclass
@@ -105,17 +106,22 @@ def prepare_job(opts: CompressOptions) -> Job:
         layers = linear_layers(cfg)
     except ModelError as e:
         raise CompressError(str(e)) from None
+    if opts.lm_head and opts.plan is not None:
+        raise CompressError("--lm-head goes with --scheme; a plan says itself whether lm_head is quantized")
     try:
         if opts.scheme:
+            layers += [head_layer(cfg)] if opts.lm_head else []
             layout, plan = layout_from_scheme(opts.scheme, layers, opts.fuse, opts.sign_seed), None
         else:
-            layout, plan = layout_from_plan(opts.plan, layers, opts.fuse, opts.sign_seed)
+            layout, plan = layout_from_plan(opts.plan, layers, opts.fuse, opts.sign_seed, head_layer(cfg))
+            layers = [l for l in layers + [head_layer(cfg)] if l.name in layout.layers]
     except UnknownQuantizer as e:
         raise CompressError(str(e)) from None
     check_shapes(layout, layers)
     device = resolve_device(opts.device)
     src = SourceCheckpoint(src_dir)
-    missing = [f"{l.name}.weight" for l in layers if f"{l.name}.weight" not in src.files]
+    missing = [f"{l.name}.weight" for l in layers if f"{l.name}.weight" not in src.files
+               and not (l.name == HEAD and "model.embed_tokens.weight" in src.files)]
     if missing:
         raise CompressError(f"{src_dir}: weights missing from the checkpoint: {missing[:3]}")
     out = Path(opts.output)
@@ -155,7 +161,7 @@ def shard_tensors(job: Job, i: int, on_layer: Callable[[str], None]) -> dict[str
     if i < job.n_shards - 1:
         return quantize_block(job.src, i, job.layers, job.layout, job.device, half, on_layer,
                               job.opts.random_codes)
-    return other_tensors(job.src, job.cfg, job.layout, half)
+    return other_tensors(job.src, job.cfg, job.layout, job.device, half, job.opts.random_codes)
 
 
 def write_shards(job: Job, done: dict[str, dict], prior_s: float) -> tuple[dict[str, str], dict[str, int]]:
@@ -222,6 +228,8 @@ def finish(job: Job, weight_map: dict[str, str], report: dict) -> None:
     new_cfg = json.loads((job.src_dir / "config.json").read_text())
     new_cfg["quantization_config"] = job.layout.to_config({"random_codes": True} if job.opts.random_codes else None)
     new_cfg["dtype"] = str(half_dtype(job.cfg)).removeprefix("torch.")
+    if HEAD in job.layout.layers:  # the embedding stays 16-bit: a quantized head cannot share it
+        new_cfg["tie_word_embeddings"] = False
     new_cfg.pop("torch_dtype", None)
     for f in sorted(job.src_dir.iterdir()):
         if f.is_file() and f.name not in _NOT_COPIED and not f.name.endswith(_WEIGHT_FILES):

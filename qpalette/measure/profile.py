@@ -1,7 +1,7 @@
 """`qpalette profile MODEL`: measure a latency profile (`qpalette.latency/1`) on the local GPU.
 
 For every fusion group of one block (q k v o gate up down qk kv qv qkv gateup; the groups'
-matrices are the row-concatenated layers) and every palette entry, the time of one
+matrices are the row-concatenated layers) and lm_head (group `head`) and every palette entry, the time of one
 `ops.quantized_matmul` call at each batch size (qpalette.kernel_timing: CUDA-graph replay,
 weights cycled through enough copies to defeat L2). Groups of equal shape are measured once.
 
@@ -12,7 +12,9 @@ time of its linear layers measured like the groups (cuBLAS, per block, summed). 
 made from a profile are therefore forward-loop tok/s; transformers' `generate` adds its
 per-token host work on top (`qpalette bench` reports both). Online Hadamard transforms are
 part of a quantized model's step but not of FP16's: their time (4 per block) is added to
-`constant_s` and reported separately as `rotation_s`.
+`constant_s` and reported separately as `rotation_s`. The 16-bit lm_head is part of `constant_s`
+too (`lm_head_s`); a plan that quantizes it swaps that for the `head` group's time and the head's
+rotation (`lm_head_rotation_s`, `LatencyProfile.with_quantized_head`).
 
 Entry point for the CLI: `run_profile(model, batch_sizes, out_dir, ...)` → paths written.
 """
@@ -49,8 +51,9 @@ def load_model_config(model: str) -> tuple[dict, str]:
 
 
 def group_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
-    """[out, in] of every fusion group's matrix in one block."""
-    kinds = {l.kind: (l.out_features, l.in_features) for l in architecture.linear_layers(cfg) if l.block == 0}
+    """[out, in] of every fusion group's matrix in one block, and of lm_head (group `head`)."""
+    layers = [l for l in architecture.linear_layers(cfg, lm_head=True) if l.block == 0 or l.kind == "head"]
+    kinds = {l.kind: (l.out_features, l.in_features) for l in layers}
     out = {}
     for g, members in GROUPS.items():
         rows = sum(kinds[k][0] for k in members)
@@ -148,9 +151,14 @@ def measure_constant(cfg: dict, batch: int, dtype: torch.dtype, say=_say) -> tup
     lin = fp16_linear_time(cfg, batch, dtype)
     rot = rotation_time(cfg, batch, dtype)
     const = max(step - lin, 0.0) + rot
+    d = architecture.dims(cfg)
+    head = kernel_timing.time_fp16(d["vocab"], d["hidden"], [batch], dtype)[batch]
+    head_rot = kernel_timing.time_rotate(d["hidden"], [batch], dtype)[batch]
     say(f"  batch {batch}: FP16 step {step * 1e3:.3f} ms ({method}), linear {lin * 1e3:.3f} ms, "
-        f"rotations {rot * 1e3:.3f} ms → constant {const * 1e3:.3f} ms")
-    return const, {"fp16_step_s": step, "fp16_linear_s": lin, "rotation_s": rot, "step_method": method}
+        f"rotations {rot * 1e3:.3f} ms → constant {const * 1e3:.3f} ms (of it the 16-bit lm_head "
+        f"{head * 1e3:.3f} ms)")
+    return const, {"fp16_step_s": step, "fp16_linear_s": lin, "rotation_s": rot, "step_method": method,
+                   "lm_head_s": head, "lm_head_rotation_s": head_rot}
 
 
 def profile_document(label: str, batch: int, constant: tuple[float, dict], shapes: dict, groups: dict,

@@ -6,7 +6,9 @@ one sign vector, docs/method.md §1), and how many parameters stay unquantized (
 biases).
 
 Supported: Llama, Mistral, Qwen2 and Qwen3 style decoders (dense, no MoE). Their layers are named
-`model.layers.{i}.self_attn.{q,k,v,o}_proj` and `model.layers.{i}.mlp.{gate,up,down}_proj`.
+`model.layers.{i}.self_attn.{q,k,v,o}_proj` and `model.layers.{i}.mlp.{gate,up,down}_proj`. The
+output projection `lm_head` is a layer too when asked for (`linear_layers(cfg, lm_head=True)`): kind
+`head`, counted as block `num_hidden_layers` (after the last decoder block), its own input group.
 """
 
 from __future__ import annotations
@@ -18,14 +20,18 @@ from pathlib import Path
 from qpalette.errors import ModelError
 from qpalette.fileio import read_json_object
 
-KINDS = ("q", "k", "v", "o", "gate", "up", "down")
+BLOCK_KINDS = ("q", "k", "v", "o", "gate", "up", "down")
+KINDS = BLOCK_KINDS + ("head",)
+#: the output projection's name and kind (quantized only when a plan or scheme asks for it)
+HEAD = "lm_head"
 #: layers that read the same input share one sign vector and one online transform
 INPUT_GROUPS = {"q": "qkv", "k": "qkv", "v": "qkv", "o": "o", "gate": "gateup", "up": "gateup",
-                "down": "down"}
+                "down": "down", "head": "head"}
 #: the order of a block's input groups (it numbers their sign seeds, docs/format.md)
-INPUT_GROUP_ORDER = ("qkv", "o", "gateup", "down")
+INPUT_GROUP_ORDER = ("qkv", "o", "gateup", "down", "head")
 #: the module holding each input group's online rotation, beside the layers it feeds
-ROTATION_MODULES = {"qkv": "rotate_qkv", "o": "rotate_o", "gateup": "rotate_gate_up", "down": "rotate_down"}
+ROTATION_MODULES = {"qkv": "rotate_qkv", "o": "rotate_o", "gateup": "rotate_gate_up", "down": "rotate_down",
+                    "head": "rotate_lm_head"}
 
 #: fusion groups of one block (docs/method.md §5) → the layer kinds they cover, in
 #: row-concatenation order. Plans and latency profiles name groups by these keys.
@@ -33,9 +39,9 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "q": ("q",), "k": ("k",), "v": ("v",), "o": ("o",),
     "gate": ("gate",), "up": ("up",), "down": ("down",),
     "qk": ("q", "k"), "kv": ("k", "v"), "qv": ("q", "v"), "qkv": ("q", "k", "v"),
-    "gateup": ("gate", "up"),
+    "gateup": ("gate", "up"), "head": ("head",),
 }
-SINGLE_GROUPS = ("q", "k", "v", "o", "gate", "up", "down")
+SINGLE_GROUPS = ("q", "k", "v", "o", "gate", "up", "down", "head")
 FUSED_GROUPS = ("qk", "kv", "qv", "qkv", "gateup")
 #: the module a fused group is stored and run as in a compressed checkpoint
 GROUP_MODULES = {"qk": "qk_proj", "qv": "qv_proj", "kv": "kv_proj", "qkv": "qkv_proj",
@@ -78,7 +84,9 @@ def group_module(layer: str, kinds: list[str]) -> str:
 
 
 def rotation_module(layer: str) -> str:
-    """Module name of the online rotation feeding `layer`: …self_attn.rotate_qkv."""
+    """Module name of the online rotation feeding `layer`: …self_attn.rotate_qkv; rotate_lm_head."""
+    if layer == HEAD:
+        return ROTATION_MODULES["head"]
     return f"{layer.rpartition('.')[0]}.{ROTATION_MODULES[INPUT_GROUPS[parse_layer_name(layer)[1]]]}"
 
 
@@ -87,8 +95,11 @@ def layer_name(block: int, kind: str) -> str:
     return f"model.layers.{block}.{part}.{kind}_proj"
 
 
-def parse_layer_name(name: str) -> tuple[int, str]:
-    """(block, kind) of a Llama-style linear layer name; ModelError otherwise."""
+def parse_layer_name(name: str, blocks: int | None = None) -> tuple[int, str]:
+    """(block, kind) of a Llama-style linear layer name; ModelError otherwise. `lm_head` is block
+    `blocks` (-1 when the block count is not known)."""
+    if name == HEAD:
+        return (-1 if blocks is None else blocks), "head"
     m = _NAME_RE.match(name)
     if not m:
         raise ModelError(
@@ -147,8 +158,9 @@ def dims(cfg: dict) -> dict[str, int]:
     }
 
 
-def linear_layers(cfg: dict) -> list[LayerShape]:
-    """Every quantizable linear layer, block by block in q, k, v, o, gate, up, down order."""
+def linear_layers(cfg: dict, lm_head: bool = False) -> list[LayerShape]:
+    """Every quantizable linear layer, block by block in q, k, v, o, gate, up, down order; then
+    lm_head when asked for."""
     d = dims(cfg)
     shapes = {
         "q": (d["heads"] * d["head_dim"], d["hidden"]),
@@ -159,18 +171,28 @@ def linear_layers(cfg: dict) -> list[LayerShape]:
         "up": (d["intermediate"], d["hidden"]),
         "down": (d["hidden"], d["intermediate"]),
     }
-    return [
-        LayerShape(layer_name(b, k), *shapes[k], b, k) for b in range(d["blocks"]) for k in KINDS
+    layers = [
+        LayerShape(layer_name(b, k), *shapes[k], b, k) for b in range(d["blocks"]) for k in BLOCK_KINDS
     ]
+    if lm_head:
+        layers.append(head_layer(cfg))
+    return layers
 
 
-def unquantized_params(cfg: dict) -> dict[str, int]:
-    """Parameter counts of what stays unquantized (per module kind, summed over blocks)."""
+def head_layer(cfg: dict) -> LayerShape:
+    """lm_head as a layer: [vocab, hidden], block num_hidden_layers."""
+    d = dims(cfg)
+    return LayerShape(HEAD, d["vocab"], d["hidden"], d["blocks"], "head")
+
+
+def unquantized_params(cfg: dict, lm_head_quantized: bool = False) -> dict[str, int]:
+    """Parameter counts of what stays unquantized (per module kind, summed over blocks). A tied
+    lm_head is the embedding: quantizing it leaves the embedding in 16 bits all the same."""
     d = dims(cfg)
     h, n = d["hidden"], d["blocks"]
     q_out, kv_out = d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
     out = {"embed_tokens": d["vocab"] * h}
-    if not cfg.get("tie_word_embeddings", False):
+    if not cfg.get("tie_word_embeddings", False) and not lm_head_quantized:
         out["lm_head"] = d["vocab"] * h
     out["norms"] = (2 * n + 1) * h
     if cfg.get("model_type") == "qwen3":
@@ -186,10 +208,12 @@ def unquantized_params(cfg: dict) -> dict[str, int]:
 
 
 def layers_from_shapes(shapes: dict[str, tuple[int, int]]) -> list[LayerShape]:
-    """LayerShapes from {name: [out, in]} (e.g. a sensitivity file), sorted by block and kind."""
+    """LayerShapes from {name: [out, in]} (e.g. a sensitivity file), sorted by block and kind;
+    lm_head, if there, last (block: one past the last block)."""
+    blocks = 1 + max((parse_layer_name(n)[0] for n in shapes if n != HEAD), default=-1)
     layers = []
     for name, shape in shapes.items():
-        b, k = parse_layer_name(name)
+        b, k = parse_layer_name(name, blocks)
         if (
             not isinstance(shape, (list, tuple))
             or len(shape) != 2

@@ -318,7 +318,8 @@ def summary(plan: Plan) -> str:
     by = t["bytes"]
     lines = [
         f"plan for {plan.model.get('name') or plan.model.get('source')}: "
-        f"{len(plan.layers)} linear layers in {len(plan.blocks)} blocks",
+        f"{len(plan.layers)} linear layers in {sum(all('lm_head' not in g.layers for g in b.groups) for b in plan.blocks)} blocks"
+        + (" and lm_head" if "lm_head" in plan.layers else ""),
         "budgets: " + ", ".join(b.text for b in plan.budgets),
         f"solver: {s['name']}: {s['status']}, gap {s['gap']:.2e}, {s['solve_time_s']:.2f} s "
         f"({s['variables']} variables, {s['constraints']} constraints, "
@@ -362,6 +363,9 @@ def block_table(plan: Plan) -> str:
     out = [head]
     for blk in plan.blocks:
         b = blk.block
+        if "head" in rows[b]:
+            out.append(f"{b:>3} lm_head {rows[b]['head']}")
+            continue
         groups = " ".join(g.group for g in blk.groups if len(GROUPS[g.group]) > 1)
         out.append(f"{b:>3} " + " ".join(f"{rows[b].get(k, '-'):>13}" for k in kinds)
                    + f"  {groups or '-'}")

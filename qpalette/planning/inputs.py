@@ -14,7 +14,7 @@ the problem), `to_dict()` and one loader, the classmethod `load(path)`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from qpalette.errors import InputError, UnknownQuantizer
@@ -136,6 +136,17 @@ class LatencyProfile:
 
     def quantizers(self) -> set[str]:
         return {q for g in self.groups.values() for q in g}
+
+    def times_lm_head(self) -> bool:
+        """Whether a quantized lm_head can be priced: its group and its 16-bit time are measured."""
+        return bool(self.groups.get("head")) and "lm_head_s" in (self.meta.get("constant") or {})
+
+    def with_quantized_head(self) -> "LatencyProfile":
+        """This profile for a plan that quantizes lm_head: constant_s without the 16-bit head's
+        time and with the head's own rotation (the head's kernel is then one of the plan's calls)."""
+        parts = self.meta["constant"]
+        const = self.constant_s - parts["lm_head_s"] + parts.get("lm_head_rotation_s", 0.0)
+        return replace(self, constant_s=max(const, 0.0))
 
     def to_dict(self) -> dict:
         """The document in `qpalette profile`'s key order (typed fields first, then the rest)."""

@@ -15,7 +15,16 @@ from pathlib import Path
 
 from qpalette.errors import InputError, ModelError
 from qpalette.fileio import sha256_file
-from qpalette.models.topology import dims, layers_from_shapes, linear_layers, load_config, unquantized_params
+from qpalette.models.topology import (
+    HEAD,
+    LayerShape,
+    dims,
+    head_layer,
+    layers_from_shapes,
+    linear_layers,
+    load_config,
+    unquantized_params,
+)
 from qpalette.planning.budget import Budget, parse_budgets
 from qpalette.planning.document import Plan, make_plan
 from qpalette.planning.inputs import (
@@ -53,11 +62,23 @@ def parse_palette(specs: list[str] | None) -> tuple[list, bool]:
     return uniq, True
 
 
+LM_HEAD_MODES = ("auto", "quantize", "keep")
+
+
 @dataclass
 class ModelInfo:
-    layers: list
+    layers: list  # the decoder blocks' layers
     unquantized: int | None
     info: dict
+    head: LayerShape | None = None  # lm_head as a layer, when its shape is known
+    unquantized_if_head_quantized: int | None = None
+
+    def with_head(self) -> "ModelInfo":
+        """The model with lm_head among the quantized layers."""
+        unq = self.info.get("unquantized_params")
+        info = self.info | {"unquantized_params": None if unq is None else {k: v for k, v in unq.items() if k != HEAD}}
+        return ModelInfo(self.layers + [self.head], self.unquantized_if_head_quantized, info, self.head,
+                         self.unquantized_if_head_quantized)
 
 
 def _from_config(model: str, cfgfile: Path, sens) -> ModelInfo:
@@ -72,7 +93,7 @@ def _from_config(model: str, cfgfile: Path, sens) -> ModelInfo:
         "model_type": cfg.get("model_type"),
         "blocks": d["blocks"],
         "unquantized_params": unq,
-    })
+    }, head_layer(cfg), sum(unquantized_params(cfg, lm_head_quantized=True).values()))
 
 
 def resolve_model(model: str | None, sens) -> ModelInfo:
@@ -103,11 +124,13 @@ def resolve_model(model: str | None, sens) -> ModelInfo:
         lacking = [n for n in sens.coefficients if n not in sens.shapes]
         if not lacking:
             layers = layers_from_shapes(sens.shapes)
+            head = next((l for l in layers if l.name == HEAD), None)
+            layers = [l for l in layers if l.name != HEAD]
             return ModelInfo(layers, None, {
                 "name": sens.model, "source": f"layer shapes of {sens.path}",
                 "blocks": len({l.block for l in layers}), "unquantized_params": None,
                 "notes": notes,
-            })
+            }, head)
     if model is None:
         raise ModelError(
             "no MODEL given and the sensitivity file does not list every layer's shape; "
@@ -131,9 +154,10 @@ def _from_models(model: str, sens) -> ModelInfo:
 
 
 def match_sensitivity(layers, sens) -> list[float]:
+    """The coefficients of `layers`, in order (an lm_head coefficient the plan does not use is fine)."""
     names = {l.name for l in layers}
     missing = [l.name for l in layers if l.name not in sens.coefficients]
-    extra = [n for n in sens.coefficients if n not in names]
+    extra = [n for n in sens.coefficients if n not in names and n != HEAD]
     if missing or extra:
         parts = []
         if missing:
@@ -162,19 +186,25 @@ def plan(
     fuse: bool = True,
     batch_size: int | None = None,
     time_limit_s: float = 60.0,
+    lm_head: str = "auto",
     command: str | None = None,
 ) -> Plan:
-    """`qpalette plan`: load and cross-check the inputs, solve (docs/method.md §5), make the Plan."""
+    """`qpalette plan`: load and cross-check the inputs, solve (docs/method.md §5), make the Plan.
+    `lm_head`: auto (quantized under a speed budget when the inputs cover it), quantize, keep."""
     t0 = time.time()
     budgets: list[Budget] = parse_budgets(budget_texts)
     sens = _load_sensitivity(sensitivity)
     mi = resolve_model(model, sens)
-    a = match_sensitivity(mi.layers, sens)
     dist = DistortionTable.load(distortion)
     entries, explicit = parse_palette(palette)
     notes = list(sens.warnings) + mi.info.pop("notes", [])
     speed = any(b.kind == "latency" for b in budgets)
     prof = _latency_profile(latency_profile, speed, mi.layers, batch_size, notes)
+    head = _quantize_head(lm_head, mi, sens, prof, speed, notes)
+    if head:
+        mi = mi.with_head()
+        prof = prof.with_quantized_head() if prof is not None and prof.times_lm_head() else prof
+    a = match_sensitivity(mi.layers, sens)
     entries = _entries_with_latency(entries, explicit, prof, speed, batch_size, notes)
     entries = _entries_with_distortion(entries, explicit, dist, notes)
     problem = build_problem(
@@ -192,11 +222,37 @@ def plan(
             "fuse": fuse,
             "batch_size": prof.batch_size if prof else batch_size,
             "time_limit_s": time_limit_s,
+            "lm_head": "quantized" if head else "16-bit",
         },
         notes=notes,
     )
     result.provenance["wall_time_s"] = time.time() - t0
     return result
+
+
+def _quantize_head(mode: str, mi: ModelInfo, sens: Sensitivity, prof: LatencyProfile | None, speed: bool,
+                   notes: list[str]) -> bool:
+    """Whether lm_head is one of the planned layers. It costs quality (the logits see its error
+    directly) and saves a full vocab×hidden read per token: by default only speed budgets take it."""
+    if mode not in LM_HEAD_MODES:
+        raise InputError(f"--lm-head {mode!r}: choose one of {', '.join(LM_HEAD_MODES)}")
+    if mode == "keep" or (mode == "auto" and not speed):
+        return False
+    lacking = []
+    if mi.head is None:
+        lacking.append("the model's lm_head shape (pass the model directory or config.json)")
+    if HEAD not in sens.coefficients:
+        lacking.append(f"an lm_head coefficient in {sens.path} (re-run `qpalette calibrate`)")
+    if speed and (prof is None or not prof.times_lm_head()):
+        lacking.append("lm_head timings in the latency profile (re-run `qpalette profile`)")
+    if lacking and mode == "quantize":
+        raise InputError("--lm-head quantize needs " + " and ".join(lacking))
+    if lacking:
+        notes.append("lm_head kept in 16 bits: no " + " and no ".join(lacking))
+        return False
+    if mode == "auto":
+        notes.append("lm_head quantized (a speed budget); --lm-head keep leaves it in 16 bits")
+    return True
 
 
 def _load_sensitivity(path: str | None) -> Sensitivity:

@@ -524,7 +524,7 @@ def choose_groups(problem: Problem, assignment: dict[int, str], fuse: bool) -> l
     prof = problem.latency
     for b in sorted(by_block):
         kinds = by_block[b]
-        for k in ("o", "down"):
+        for k in ("o", "down", "head"):
             if k in kinds:
                 out.append((b, k, assignment[kinds[k]]))
         for part in ("attn", "mlp"):
@@ -563,7 +563,7 @@ def choose_groups(problem: Problem, assignment: dict[int, str], fuse: bool) -> l
                 best = [(k, assignment[kinds[k]]) for k in ("q", "k", "v", "gate", "up")
                         if k in kinds and (k in ("q", "k", "v")) == (part == "attn")]
             out += [(b, g, q) for g, q in best]
-    order = {g: i for i, g in enumerate(("q", "qk", "qv", "qkv", "k", "kv", "v", "o", "gate", "gateup", "up", "down"))}
+    order = {g: i for i, g in enumerate(("q", "qk", "qv", "qkv", "k", "kv", "v", "o", "gate", "gateup", "up", "down", "head"))}
     return sorted(out, key=lambda t: (t[0], order[t[1]]))
 
 

@@ -8,7 +8,7 @@ the module tree follows from it and the architecture:
 - a fused group: `…self_attn.qkv_proj` holds the row-concatenated tensors, `q_proj` etc. are
   `FusedSlice`s without tensors;
 - one `InputRotation` per input group of a block: `…self_attn.rotate_qkv.signs`,
-  `rotate_o`, `mlp.rotate_gate_up`, `rotate_down`;
+  `rotate_o`, `mlp.rotate_gate_up`, `rotate_down`; a quantized `lm_head` has `rotate_lm_head`;
 - the used codebooks once, fp16: `qpalette_codebooks.tcq_q9`.
 """
 
@@ -25,6 +25,7 @@ from torch import nn
 from qpalette.errors import CheckpointError
 from qpalette.models.topology import (
     GROUP_MODULES,
+    HEAD,
     INPUT_GROUP_ORDER,
     group_key,
     group_module,
@@ -142,7 +143,7 @@ def convert_model(model: nn.Module, layout: Layout, dtype: torch.dtype | None = 
     def rotation_for(layer: str) -> InputRotation:
         rname = layout.rotation_of(layer)
         if rname not in rotations:
-            rotations[rname] = InputRotation(linears[layer].in_features)
+            rotations[rname] = InputRotation(linears[layer].in_features, cached=layer != HEAD)
             parent, attr = parent_and_attr(rname)
             _get(model, parent).register_module(attr, rotations[rname])
         return rotations[rname]
@@ -168,7 +169,8 @@ def convert_model(model: nn.Module, layout: Layout, dtype: torch.dtype | None = 
         q.rotation = rotation_for(name)
         parent, attr = parent_and_attr(name)
         _get(model, parent).register_module(attr, q)
-        parents.add(parent)
+        if name != HEAD:  # lm_head's parent is the model: nothing of it is cached
+            parents.add(parent)
     for parent in parents:
         install_cache_reset(_get(model, parent))
     model.register_module(CODEBOOKS_MODULE, Codebooks(layout.codebooks))

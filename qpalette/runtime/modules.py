@@ -62,11 +62,14 @@ class _CallCache:
 
 
 class InputRotation(_CallCache, nn.Module):
-    """H(s ⊙ x) for one input group of one block; `signs` bit-packed (in/8 bytes)."""
+    """H(s ⊙ x) for one input group of one block; `signs` bit-packed (in/8 bytes). `cached`: the
+    result is reused within one call of the parent (which must reset it, `install_cache_reset`);
+    lm_head's rotation, whose parent is the whole model, is not."""
 
-    def __init__(self, in_features: int):
+    def __init__(self, in_features: int, cached: bool = True):
         super().__init__()
         self.in_features = in_features
+        self.cached = cached
         self.register_buffer("signs", torch.zeros(in_features // 8, dtype=torch.uint8))
 
     def extra_repr(self) -> str:
@@ -80,6 +83,8 @@ class InputRotation(_CallCache, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops.prepare(x)
+        if not self.cached:
+            return ops.rotate(x, self.signs)
         return self._cached(x, lambda t: ops.rotate(t, self.signs))
 
 

@@ -93,7 +93,7 @@ def test_known_a_matches_second_order_theory(tiny_llama_dir, device):
     got = {}
     run_layers(model, tokens, [n for n, _m, _b in linear_layers(model)], st, device,
                report=lambda n, d, s: got.__setitem__(n, fit_through_origin(noise_levels(4, 0.01), d)))
-    assert len(got) == 14
+    assert len(got) == 15 and "lm_head" in got  # 2 blocks × 7 layers, and the head
     for k, (name, _m, _b) in enumerate(linear_layers(model)):
         eps = noise_direction(_m.weight.shape, 3, k, 0, device)
         expected = _directional_fisher_a(model, tokens.to(device), name, eps)
@@ -147,10 +147,10 @@ def test_calibrate_output_schema(tiny_llama_dir, tmp_path):
     disk = json.loads(out.read_text())
     assert disk["format"] == "qpalette.sensitivity/1" and disk == doc
     assert disk["protocol"] == "data-free" and disk["tokens"] == 4 * 32 and disk["levels"] == 4
-    assert len(disk["layers"]) == 14
+    assert len(disk["layers"]) == 15  # 2 blocks × 7 and lm_head
     v = disk["layers"]["model.layers.0.self_attn.k_proj"]
     assert v["shape"] == [32, 64] and v["a"] > 0 and len(v["delta_kl"]) == 4 and v["r2"] <= 1
-    assert disk["timing"]["total_s"] > 0 and disk["timing"]["evaluations"] == 14 * 4
+    assert disk["timing"]["total_s"] > 0 and disk["timing"]["evaluations"] == 15 * 4
     assert not (tmp_path / "sens.json.partial.json").exists()
 
 
@@ -180,7 +180,7 @@ def test_resume_after_interruption(tiny_llama_dir, tmp_path, monkeypatch):
     calls["n"] = 0
     monkeypatch.setattr(cal, "noise_direction", lambda *a, **k: (calls.__setitem__("n", calls["n"] + 1), real(*a, **k))[1])
     doc = calibrate(_opts(tiny_llama_dir, out, resume=True), log=lambda m: None)
-    assert calls["n"] == 14 - 5  # only the unfinished layers were measured again
+    assert calls["n"] == 15 - 5  # only the unfinished layers were measured again
     assert doc["timing"]["resumed"] is True
     for n, v in full["layers"].items():
         assert doc["layers"][n]["a"] == pytest.approx(v["a"], rel=1e-9), n

@@ -360,3 +360,60 @@ def test_greedy_text_same_on_kernels_and_reference_and_compiled(tiny_llama_dir, 
         compiled = gpu.generate(ids.cuda(), **kw, cache_implementation="static").cpu()
         again = gpu.generate(ids.cuda(), **kw, cache_implementation="static").cpu()
     assert torch.equal(eager, ref) and torch.equal(compiled, ref) and torch.equal(again, ref)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_quantized_lm_head(tmp_path, ids, tied):
+    """--lm-head: lm_head stored quantized with its own rotation (no 16-bit copy), the embedding
+    kept (a tied one untied), logits equal the simulated model, state_dict round trip bit-exact."""
+    src = make_tiny_llama(tmp_path / "src", vocab_size=272, tie_word_embeddings=tied)
+    rep = run_compress(src, tmp_path / "q", scheme="nuq-4", lm_head=True)
+    stored = shard_tensors(tmp_path / "q")
+    assert {"lm_head.codes", "lm_head.row_scale", "rotate_lm_head.signs"} <= set(stored)
+    assert "lm_head.weight" not in stored and "model.embed_tokens.weight" in stored
+    plain = run_compress(src, tmp_path / "plain", scheme="nuq-4")
+    assert rep["bytes"]["codes_and_row_scales"] > plain["bytes"]["codes_and_row_scales"]
+    if not tied:  # the head's 16-bit bytes are gone
+        assert rep["bytes"]["unquantized_modules"] == plain["bytes"]["unquantized_modules"] - 2 * 272 * 64
+    q = load(tmp_path / "q")
+    assert q.config.tie_word_embeddings is False
+    assert type(q.lm_head).__name__ == "QuantizedLinear"
+    sim = simulated_model(src, q)
+    with torch.no_grad():
+        if tied:  # the simulated head must not overwrite the (16-bit) embedding it was tied to
+            sim.lm_head.weight = torch.nn.Parameter(simulated_weights(q, q.config.quantization_config.layout())["lm_head"])
+            sim.model.embed_tokens.weight.copy_(stored["model.embed_tokens.weight"].float())
+        got, want = q(ids).logits, sim(ids).logits
+    assert (got - want).norm() / want.norm() < 1e-3
+    q.save_pretrained(tmp_path / "again")
+    again = load(tmp_path / "again")
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, got)
+
+
+def test_lm_head_flag_goes_with_a_scheme(tiny_llama_dir, tmp_path):
+    sens = fake_sensitivity(tiny_llama_dir, tmp_path / "sens.json")
+    res = runner.invoke(app, ["plan", str(tiny_llama_dir), "-b", "3.0bits", "-s", str(sens),
+                              "-p", "nuq", "-o", str(tmp_path / "plan.json"), "--no-plot"])
+    assert res.exit_code == 0, res.output
+    with pytest.raises(CompressError, match="--lm-head goes with --scheme"):
+        run_compress(tiny_llama_dir, tmp_path / "q", plan=tmp_path / "plan.json", lm_head=True)
+    with pytest.raises(CompressError, match="lm_head"):  # vocab 257: not a multiple of 16 rows
+        run_compress(tiny_llama_dir, tmp_path / "q", scheme="nuq-4", lm_head=True)
+
+
+@pytest.mark.gpu
+def test_quantized_lm_head_on_the_kernels(tmp_path, ids):
+    """A quantized lm_head runs on the CUDA kernels (its own rotation) like the CPU reference."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    src = make_tiny_llama(tmp_path / "src", vocab_size=272, tie_word_embeddings=True)
+    run_compress(src, tmp_path / "q", scheme="tcq-3.0", lm_head=True, device="cuda")
+    cpu = qpalette.from_pretrained(tmp_path / "q", device="cpu")
+    gpu = qpalette.from_pretrained(tmp_path / "q", device="cuda", dtype=torch.float32)
+    with torch.no_grad():
+        want = cpu(ids).logits
+        got = gpu(ids.cuda()).logits.cpu()
+        one = gpu(ids[:, :1].cuda()).logits.cpu()  # batch 2, one token: the GEMV path
+    assert (got - want).norm() / want.norm() < 1e-3
+    assert (one - want[:, :1]).norm() / want[:, :1].norm() < 1e-3

@@ -18,6 +18,7 @@ def test_group_shapes_llama31_8b():
     assert set(shapes) == set(GROUPS)
     assert shapes["qkv"] == (6144, 4096) and shapes["gateup"] == (28672, 4096)
     assert shapes["down"] == (4096, 14336) and shapes["kv"] == (2048, 4096)
+    assert shapes["head"] == (128256, 4096)  # lm_head, for plans that quantize it
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")

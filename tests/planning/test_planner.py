@@ -13,7 +13,7 @@ from qpalette.cli import app
 from qpalette.errors import BudgetError, InputError
 from qpalette.models.topology import linear_layers, load_config, unquantized_params
 from qpalette.planning.budget import parse_budgets
-from qpalette.planning.document import PLAN_FORMAT, Plan
+from qpalette.planning.document import PLAN_FORMAT, Plan, block_table, summary
 from qpalette.planning.inputs import LatencyProfile, Sensitivity
 from qpalette.planning.planner import plan
 
@@ -247,3 +247,66 @@ def test_planner_returns_a_plan_that_round_trips(tmp_path):
     assert isinstance(p, Plan)
     p.save(tmp_path / "p.json")
     assert Plan.load(tmp_path / "p.json") == p
+
+
+def _smollm2_with_head_inputs(tmp_path, head_coefficient=True, head_timings=True):
+    """SmolLM2's config, a sensitivity file with (or without) lm_head, and the shipped H100 b1
+    profile with (or without) lm_head timings (the gate/up group's, scaled by rows)."""
+    import random
+
+    cfg = load_config_from(tmp_path, SMOLLM2_135M)
+    rng = random.Random(0)
+    layers = linear_layers(cfg, lm_head=head_coefficient)
+    sens = {"format": "qpalette.sensitivity/1", "model": "smollm2-135m", "protocol": "data-free",
+            "tokens": 1024, "layers": {l.name: {"a": rng.lognormvariate(-4, 1.5), "r2": 0.99,
+                                                "shape": [l.out_features, l.in_features]} for l in layers}}
+    (tmp_path / "s.json").write_text(json.dumps(sens))
+    prof = json.loads((RESULTS.parent / "profiles" / "h100_latency_smollm2-135m_b1.json").read_text())
+    if head_timings:
+        prof["shapes"]["head"] = [49152, 576]
+        prof["groups"]["head"] = {q: t * 16 for q, t in prof["groups"]["gateup"].items()}
+        prof["constant"] |= {"lm_head_s": 2e-4, "lm_head_rotation_s": 5e-6}
+    (tmp_path / "lat.json").write_text(json.dumps(prof))
+    return str(tmp_path / "s.json"), str(tmp_path / "lat.json"), prof
+
+
+def test_lm_head_is_planned_under_a_speed_budget(tmp_path):
+    sens, lat, prof = _smollm2_with_head_inputs(tmp_path)
+    p = plan(str(tmp_path), ["150tok/s"], sensitivity=sens, latency_profile=lat)
+    assert "lm_head" in p.layers and p.options["lm_head"] == "quantized"
+    assert p.layers["lm_head"].quantizer in prof["groups"]["head"]
+    assert any("lm_head quantized" in n for n in p.notes)
+    head_block = [b for b in p.blocks if any("lm_head" in g.layers for g in b.groups)]
+    assert len(head_block) == 1 and head_block[0].groups[0].group == "head"
+    constant = prof["constant_s"] - 2e-4 + 5e-6  # the 16-bit head out, its rotation in
+    assert p.totals["latency_s"] == pytest.approx(sum(b.latency_s for b in p.blocks) + constant)
+    assert p.totals["tok_per_s"] >= 150 * (1 - 1e-6)
+    assert "lm_head" in summary(p) and "lm_head" in block_table(p)
+    kept = plan(str(tmp_path), ["150tok/s"], sensitivity=sens, latency_profile=lat, lm_head="keep")
+    assert "lm_head" not in kept.layers and kept.options["lm_head"] == "16-bit"
+    assert kept.totals["latency_s"] == pytest.approx(sum(b.latency_s for b in kept.blocks) + prof["constant_s"])
+
+
+def test_lm_head_under_memory_budgets(tmp_path):
+    """Bits budgets keep the head 16-bit unless asked; asked, its weights count in the average and
+    (tied to the embedding, which stays) its codes add bytes."""
+    sens, _lat, _prof = _smollm2_with_head_inputs(tmp_path)
+    auto = plan(str(tmp_path), ["3.25bits"], sensitivity=sens)
+    assert "lm_head" not in auto.layers
+    q = plan(str(tmp_path), ["3.25bits"], sensitivity=sens, lm_head="quantize")
+    assert "lm_head" in q.layers and q.totals["quantized_params"] == auto.totals["quantized_params"] + 49152 * 576
+    assert q.totals["avg_bits"] <= 3.25
+    assert q.totals["bytes"]["unquantized_modules"] == auto.totals["bytes"]["unquantized_modules"]
+
+
+def test_lm_head_without_its_inputs(tmp_path):
+    sens, lat, _prof = _smollm2_with_head_inputs(tmp_path, head_coefficient=False)
+    with pytest.raises(InputError, match="lm_head coefficient.*re-run `qpalette calibrate`"):
+        plan(str(tmp_path), ["3.25bits"], sensitivity=sens, lm_head="quantize")
+    p = plan(str(tmp_path), ["150tok/s"], sensitivity=sens, latency_profile=lat)
+    assert "lm_head" not in p.layers and any("lm_head kept in 16 bits" in n for n in p.notes)
+    sens, lat, _prof = _smollm2_with_head_inputs(tmp_path, head_timings=False)
+    with pytest.raises(InputError, match="lm_head timings"):
+        plan(str(tmp_path), ["150tok/s"], sensitivity=sens, latency_profile=lat, lm_head="quantize")
+    with pytest.raises(InputError, match="choose one of"):
+        plan(str(tmp_path), ["3.25bits"], sensitivity=sens, lm_head="yes")

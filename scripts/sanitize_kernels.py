@@ -1,0 +1,111 @@
+"""Run a sample of the CUDA kernels under NVIDIA compute-sanitizer (memcheck, racecheck, synccheck).
+
+    python scripts/sanitize_kernels.py [--tools memcheck,racecheck,synccheck] [--out DIR]
+
+Each tool runs this script again (`--sample`) as `compute-sanitizer --tool T --error-exitcode 9`,
+with PyTorch's caching allocator off (PYTORCH_NO_CUDA_MEMORY_CACHING=1: every tensor is its own
+cudaMalloc, so a read past a tensor's end leaves its allocation and memcheck sees it). The sample:
+one palette entry of every decoder variant (TCQ with a one- and a two-lane halo, half-TCQ, NUQ,
+VQ), both 16-bit dtypes, batch 1 and 8 on the GEMV (a padded last lane group, a shape with more
+warps than groups, clusters of 8 CTAs) and batch 9 on the dequantize kernel, the rotation fused
+into the GEMV, and the Hadamard kernel; every result is also checked against the PyTorch reference.
+Logs go to DIR/sanitize_<tool>.log; the exit code is 0 only when every tool reports no error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ENTRIES = ("tcq-2.0", "tcq-4.0", "half-tcq-3.25", "nuq-4", "vq-2.0", "vq-4.0")
+SHAPES = ((576, 1536), (32, 64), (256, 28672))
+TOOLS = ("memcheck", "racecheck", "synccheck")
+
+
+def sample() -> int:
+    """The kernels' sample, checked against the reference; returns the number of mismatches."""
+    import torch
+
+    from qpalette.quant.incoherence import pack_signs, random_signs, rotate_input
+    from qpalette.quant.palette import get_quantizer
+    from qpalette.runtime import kernel_build, lanes, ops
+
+    kernel_build.extension()
+    gen = torch.Generator().manual_seed(0)
+    bad = 0
+    for name in ENTRIES:
+        for rows, cols in SHAPES:
+            stored = {k: v.cuda() for k, v in get_quantizer(name).random_tensors(rows, cols, gen).items()}
+            tensors = lanes.pack(name, stored)
+            w = ops.dequantize(name, stored, (rows, cols))
+            for dtype in (torch.float16, torch.bfloat16):
+                for m in (1, 8, 9):
+                    x = torch.randn(m, cols, generator=gen).to(dtype).cuda()
+                    y = ops.quantized_matmul(x, name, tensors, (rows, cols))
+                    bad += _report(f"{name} {rows}x{cols} {dtype} m={m}", y, x.float() @ w.T)
+        rows, cols = 576, 4096  # the rotation inside the GEMV
+        stored = {k: v.cuda() for k, v in get_quantizer(name).random_tensors(rows, cols, gen).items()}
+        signs = pack_signs(random_signs(cols, 1)).cuda()
+        x = torch.randn(1, cols, generator=gen).half().cuda()
+        y = ops.rotated_matmul(x, signs, name, lanes.pack(name, stored), (rows, cols))
+        ref = rotate_input(x.float(), random_signs(cols, 1).cuda()) @ ops.dequantize(name, stored, (rows, cols)).T
+        bad += _report(f"{name} {rows}x{cols} rotated", y, ref)
+    x = torch.randn(8, 14336, generator=gen).half().cuda()
+    signs = random_signs(14336, 2)
+    y = ops.rotate(x, pack_signs(signs).cuda())
+    bad += _report("hadamard 14336", y, rotate_input(x.float(), signs.cuda()))
+    torch.cuda.synchronize()
+    print(f"sample done: {bad} mismatches")
+    return bad
+
+
+def _report(what: str, y, ref) -> int:
+    err = float((y.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
+    if not err <= 1e-2:
+        print(f"MISMATCH {what}: relative error {err:.3g}")
+        return 1
+    return 0
+
+
+def sanitizer() -> str:
+    """Path of compute-sanitizer: on PATH, or in CUDA_HOME's bin folder."""
+    found = shutil.which("compute-sanitizer")
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    candidate = Path(home) / "bin" / "compute-sanitizer"
+    if found:
+        return found
+    if candidate.is_file():
+        return str(candidate)
+    sys.exit("compute-sanitizer not found: put the CUDA toolkit's bin folder on PATH or set CUDA_HOME")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tools", default=",".join(TOOLS), help="comma list of compute-sanitizer tools")
+    ap.add_argument("--out", type=Path, default=Path("."), help="folder for the logs")
+    ap.add_argument("--sample", action="store_true", help="run the sample itself (what each tool runs)")
+    args = ap.parse_args()
+    if args.sample:
+        return 1 if sample() else 0
+    exe = sanitizer()
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = os.environ | {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}
+    failed = []
+    for tool in args.tools.split(","):
+        cmd = [exe, "--tool", tool, "--error-exitcode", "9", sys.executable, __file__, "--sample"]
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        log = args.out / f"sanitize_{tool}.log"
+        log.write_text(" ".join(cmd) + "\n\n" + res.stdout + res.stderr)
+        summary = [ln for ln in (res.stdout + res.stderr).splitlines() if "ERROR SUMMARY" in ln or "sample done" in ln]
+        print(f"{tool}: exit {res.returncode}; " + "; ".join(summary) + f" ({log})")
+        if res.returncode:
+            failed.append(tool)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
