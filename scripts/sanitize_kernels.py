@@ -9,7 +9,9 @@ one palette entry of every decoder variant (TCQ with a one- and a two-lane halo,
 VQ), both 16-bit dtypes, batch 1 and 8 on the GEMV (a padded last lane group, a shape with more
 warps than groups, clusters of 8 CTAs) and batch 9 on the dequantize kernel, the rotation fused
 into the GEMV, and the Hadamard kernel; every result is also checked against the PyTorch reference.
-Logs go to DIR/sanitize_<tool>.log; the exit code is 0 only when every tool reports no error.
+Logs go to DIR/sanitize_<tool>.log; the exit code is 0 only when no tool reports anything in
+qpalette's kernels (reports in other libraries' kernels, e.g. racecheck on cuBLAS, are counted
+and shown, not failed on) and every sample result matches.
 """
 
 from __future__ import annotations
@@ -100,11 +102,35 @@ def main() -> int:
         res = subprocess.run(cmd, env=env, capture_output=True, text=True)
         log = args.out / f"sanitize_{tool}.log"
         log.write_text(" ".join(cmd) + "\n\n" + res.stdout + res.stderr)
-        summary = [ln for ln in (res.stdout + res.stderr).splitlines() if "ERROR SUMMARY" in ln or "sample done" in ln]
-        print(f"{tool}: exit {res.returncode}; " + "; ".join(summary) + f" ({log})")
-        if res.returncode:
+        ours, others = classify(res.stdout + res.stderr)
+        done = "sample done: 0 mismatches" in res.stdout
+        print(f"{tool}: {ours} reports in qpalette's kernels, {others} in other libraries' kernels "
+              f"(cuBLAS, PyTorch), sample {'ran clean' if done else 'FAILED'} ({log})")
+        if ours or not done:
             failed.append(tool)
     return 1 if failed else 0
+
+
+OUR_KERNELS = ("gemv_kernel", "dequant_kernel", "hadamard_kernel")
+
+
+def classify(output: str) -> tuple[int, int]:
+    """(reports naming one of our kernels, reports naming only other kernels). A report starts at
+    a `========= X` line (X not a space; the banner and summaries excepted) and goes on over the
+    indented lines after it; cuBLAS' own kernels are not ours to fix."""
+    reports, current = [], None
+    for line in output.splitlines():
+        head = line[10:11]
+        if (line.startswith("========= ") and head.strip()
+                and "COMPUTE-SANITIZER" not in line and "SUMMARY" not in line):
+            current = [line]
+            reports.append(current)
+        elif current is not None and line.startswith("=========     "):
+            current.append(line)
+        else:
+            current = None
+    ours = sum(any(k in ln for ln in r for k in OUR_KERNELS) for r in reports)
+    return ours, len(reports) - ours
 
 
 if __name__ == "__main__":

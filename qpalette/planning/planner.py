@@ -248,7 +248,7 @@ def _quantize_head(mode: str, mi: ModelInfo, sens: Sensitivity, prof: LatencyPro
     if lacking and mode == "quantize":
         raise InputError("--lm-head quantize needs " + " and ".join(lacking))
     if lacking:
-        notes.append("lm_head kept in 16 bits: no " + " and no ".join(lacking))
+        notes.append("lm_head kept in 16 bits: quantizing it needs " + " and ".join(lacking))
         return False
     if mode == "auto":
         notes.append("lm_head quantized (a speed budget); --lm-head keep leaves it in 16 bits")
