@@ -198,16 +198,18 @@ def speed(folder: Path, figdir: Path) -> list[str]:
     fig.tight_layout()
     fig.savefig(figdir / "decode_llama8b.png", dpi=120)
     plt.close(fig)
-    return out + ["", "![decode speed](results/decode_llama8b.png)", ""] + breakdown(folder)
+    older = folder.parent / "speed_llama8b"  # the last breakdown measured (v1 kernels), until a newer one
+    return out + ["", "![decode speed](results/decode_llama8b.png)", ""] + (
+        breakdown(folder) or breakdown(older, f" — v1 kernels, `{older.relative_to(folder.parent.parent)}`"))
 
 
-def breakdown(folder: Path) -> list[str]:
+def breakdown(folder: Path, note: str = "") -> list[str]:
     """Where a decode step's GPU time goes (scripts/decode_breakdown.py)."""
     runs = {p.stem.removeprefix("breakdown_"): load(p) for p in sorted(folder.glob("breakdown_*.json"))}
     if not runs:
         return []
     kinds = sorted({k for r in runs.values() for k in r["kinds_s"]}, key=lambda k: -max(r["kinds_s"].get(k, 0) for r in runs.values()))
-    out = ["### Where a decode step goes (batch 1, `scripts/decode_breakdown.py`)", "",
+    out = [f"### Where a decode step goes (batch 1, `scripts/decode_breakdown.py`{note})", "",
            "Kernel time per step from torch.profiler over 8 steps of the inductor-compiled forward, by kind; "
            "then the same forward replayed as a CUDA graph, and the host time of one graph call.", "",
            "| ms per step | " + " | ".join(runs) + " |", "|---|" + "---|" * len(runs)]
