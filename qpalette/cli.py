@@ -221,8 +221,8 @@ def compress(
     if rep.get("plan_predicted_bytes"):
         typer.echo("tensor bytes equal the plan's prediction")
     typer.echo(
-        "load it with:  import qpalette; AutoModelForCausalLM.from_pretrained(...)  — without "
-        "`import qpalette` transformers silently loads random weights"
+        "load it with:  import qpalette; AutoModelForCausalLM.from_pretrained(...)  (without "
+        "`import qpalette` transformers refuses its model type)"
     )
 
 

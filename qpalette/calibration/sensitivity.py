@@ -35,7 +35,7 @@ from qpalette.calibration.resume import PartialRun
 from qpalette.calibration.workers import run_on_devices
 from qpalette.devices import DTYPE_NAMES, dtype_name, resolve_devices, resolve_dtype
 from qpalette.errors import CalibrationError
-from qpalette.fileio import atomic_write_json
+from qpalette.fileio import atomic_write_json, output_lock
 
 FORMAT = "qpalette.sensitivity/1"
 
@@ -231,12 +231,18 @@ def document(run: PartialRun, names: list[str], levels: int, layers_s: float, se
 def calibrate(opts: CalibrateOptions, log: Callable[[str], None] = print) -> dict:
     """Run (or resume) a calibration and write opts.output. Returns the written document.
 
-    Check the options; load the model; open (or resume) the run; build the evaluation set;
-    measure the layers; write the document."""
+    Check the options; take the output's lock (before loading the model: a second writer stops at
+    once); load the model; open (or resume) the run; build the evaluation set; measure the layers;
+    write the document."""
+    check_options(opts)
+    with output_lock(opts.output, "qpalette calibrate", CalibrationError):  # resume files too
+        return _calibrate(opts, log)
+
+
+def _calibrate(opts: CalibrateOptions, log: Callable[[str], None]) -> dict:
     from qpalette.models.sources import resolve_model
     from qpalette.runtime.loading import load_model
 
-    check_options(opts)
     t_start = time.perf_counter()
     model_dir = resolve_model(opts.model)
     device = torch.device(opts.devices[0])

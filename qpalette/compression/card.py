@@ -8,7 +8,7 @@ from qpalette.runtime.checkpoint import Layout
 from qpalette.version import __version__
 
 
-def model_card(layout: Layout, source: str, report: dict) -> str:
+def model_card(layout: Layout, source: str, report: dict, model_type: str) -> str:
     counts: dict[str, int] = {}
     for q in layout.layers.values():
         counts[q] = counts.get(q, 0) + 1
@@ -20,9 +20,9 @@ tags: [qpalette, quantized]
 ---
 # {Path(source).name} — qpalette compressed
 
-**This checkpoint needs `import qpalette` before loading.** Without it, transformers does not
-know `quant_method: "qpalette"`, skips the quantization with a warning and fills every linear
-layer with random weights: the model loads but produces garbage.
+**This checkpoint needs `import qpalette` before loading.** Its `model_type` is
+`{model_type}`: without qpalette, transformers refuses it ("does not recognize this
+architecture"); `import qpalette` registers the type and the quantization format.
 
 ```python
 import qpalette  # registers the qpalette quantizer with transformers

@@ -1,4 +1,5 @@
-"""The model being compressed, read tensor by tensor from its safetensors files (never all at once)."""
+"""The model being compressed, read tensor by tensor from its safetensors files (never all at once);
+every floating tensor is checked for NaN/Inf as it is read."""
 
 from __future__ import annotations
 
@@ -47,9 +48,16 @@ class SourceCheckpoint:
         if f not in self._handles:
             self._handles[f] = self._open(f)
         try:
-            return self._handles[f].get_tensor(name)
+            t = self._handles[f].get_tensor(name)
         except (SafetensorError, OSError) as e:
             raise CompressError(f"cannot read tensor {name} from {f}: {e}") from None
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise CompressError(
+                f"{name} in {f.name} holds {bad:,} NaN/Inf value(s): the source model is damaged; "
+                "nothing of it can be quantized faithfully"
+            )
+        return t
 
     def fingerprint(self) -> str:
         h = hashlib.sha256()

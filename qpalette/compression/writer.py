@@ -10,6 +10,8 @@ folder that looks complete, and `--resume` picks up at the first missing shard.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
 import hashlib
 import json
@@ -22,7 +24,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors.torch import save as safetensors_bytes
 
 from qpalette.compression.blocks import byte_breakdown, other_tensors, quantize_block
 from qpalette.compression.card import model_card
@@ -30,11 +31,21 @@ from qpalette.compression.layout import check_shapes, layout_from_plan, layout_f
 from qpalette.compression.source import SourceCheckpoint, half_dtype
 from qpalette.devices import resolve_device
 from qpalette.errors import CompressError, ModelError, UnknownQuantizer
-from qpalette.fileio import atomic_write, atomic_write_json, read_json_object
-from qpalette.models.topology import HEAD, LayerShape, check_config, head_layer, linear_layers, load_config
+from qpalette.fileio import atomic_write, atomic_write_json, output_lock, read_json_object
+from qpalette.models.topology import (
+    CHECKPOINT_TYPE_PREFIX,
+    HEAD,
+    LayerShape,
+    base_model_type,
+    check_config,
+    head_layer,
+    linear_layers,
+    load_config,
+)
 from qpalette.planning.document import Plan
 from qpalette.quant.palette import get_quantizer
 from qpalette.runtime.checkpoint import Layout
+from qpalette.runtime.integrity import shard_bytes
 from qpalette.version import __version__
 
 PROGRESS_FORMAT = "qpalette.compress-progress/1"
@@ -145,7 +156,10 @@ def open_partial(job: Job, log: Callable[[str], None]) -> tuple[dict[str, dict],
         done = {k: v for k, v in man.get("shards", {}).items() if (partial / k).is_file()}
         prior_s = float(man.get("seconds", 0.0))
         log(f"resuming: {len(done)} of {job.n_shards} shards already written")
-    partial.mkdir(parents=True, exist_ok=True)
+    else:  # the manifest first: a run killed before its first shard can still be resumed
+        partial.mkdir(parents=True)
+        atomic_write_json(partial / PROGRESS_FILE, {"format": PROGRESS_FORMAT, "fingerprint": job.fingerprint,
+                                                    "shards": {}, "seconds": 0.0})
     for stray in partial.glob(".*.tmp"):  # temporaries of a killed write
         stray.unlink()
     return done, prior_s
@@ -180,15 +194,33 @@ def write_shards(job: Job, done: dict[str, dict], prior_s: float) -> tuple[dict[
         for i in range(job.n_shards):
             fname = shard_name(i, job.n_shards)
             if fname not in done:
-                tensors = shard_tensors(job, i, lambda n: bar.set_postfix_str(n.split("layers.")[-1]))
-                atomic_write(job.partial / fname, safetensors_bytes(tensors, metadata={"format": "pt"}))
-                done[fname] = {"tensors": sorted(tensors), "bytes": byte_breakdown(tensors, job.layout)}
-                save_manifest()
+                with _resumable(job, fname):
+                    tensors = shard_tensors(job, i, lambda n: bar.set_postfix_str(n.split("layers.")[-1]))
+                    atomic_write(job.partial / fname, shard_bytes(tensors))
+                    done[fname] = {"tensors": sorted(tensors), "bytes": byte_breakdown(tensors, job.layout)}
+                    save_manifest()
                 bar.update(1)
             weight_map.update(dict.fromkeys(done[fname]["tensors"], fname))
             for k in totals:
                 totals[k] += done[fname]["bytes"][k]
     return weight_map, totals
+
+
+@contextlib.contextmanager
+def _resumable(job: Job, fname: str):
+    """Out of disk space or of GPU memory while making a shard → one line with the way out; the
+    shards written so far stay in OUT.partial for --resume (the failed one was never renamed in)."""
+    again = f"then continue with the same command and --resume ({job.partial} keeps the finished shards)"
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError:
+        raise CompressError(
+            f"out of GPU memory while quantizing {fname}: free the GPU, or quantize on the CPU (--device cpu, "
+            f"slow for trellis entries); {again}") from None
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS):
+            raise
+        raise CompressError(f"cannot write {fname} into {job.partial}: {e.strerror}; make room, {again}") from None
 
 
 def make_report(job: Job, totals: dict[str, int], prior_s: float) -> dict:
@@ -228,32 +260,37 @@ def finish(job: Job, weight_map: dict[str, str], report: dict) -> None:
     new_cfg = json.loads((job.src_dir / "config.json").read_text())
     new_cfg["quantization_config"] = job.layout.to_config({"random_codes": True} if job.opts.random_codes else None)
     new_cfg["dtype"] = str(half_dtype(job.cfg)).removeprefix("torch.")
+    new_cfg["model_type"] = CHECKPOINT_TYPE_PREFIX + base_model_type(job.cfg)  # plain transformers refuses it
     if HEAD in job.layout.layers:  # the embedding stays 16-bit: a quantized head cannot share it
         new_cfg["tie_word_embeddings"] = False
     new_cfg.pop("torch_dtype", None)
     for f in sorted(job.src_dir.iterdir()):
         if f.is_file() and f.name not in _NOT_COPIED and not f.name.endswith(_WEIGHT_FILES):
             shutil.copy2(f, partial / f.name)
-    atomic_write(partial / "README.md", model_card(job.layout, str(job.opts.model), report))
+    atomic_write(partial / "README.md", model_card(job.layout, str(job.opts.model), report, new_cfg["model_type"]))
     atomic_write_json(partial / REPORT_FILE, report)
     atomic_write_json(partial / "config.json", new_cfg)
-    (partial / PROGRESS_FILE).unlink()
     if job.out.exists():
         shutil.rmtree(job.out)
-    os.replace(partial, job.out)
+    os.replace(partial, job.out)  # killed before this: OUT.partial still has its manifest, --resume
+    (job.out / PROGRESS_FILE).unlink()
 
 
 def compress(opts: CompressOptions, log: Callable[[str], None] = print) -> dict:
-    """Run (or resume) the whole compression; returns the report (also OUT/qpalette-compress.json)."""
-    job = prepare_job(opts)
-    done, prior_s = open_partial(job, log)
-    if job.device.type == "cpu" and any(get_quantizer(q).family in ("tcq", "half-tcq")
-                                        for q in job.layout.layers.values()):
-        log("note: trellis (TCQ) quantization on CPU is slow (~25-50 min per 4096×4096 matrix); "
-            "use a GPU (--device cuda) for real models")
-    if job.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(job.device)
-    weight_map, totals = write_shards(job, done, prior_s)
-    report = make_report(job, totals, prior_s)
-    finish(job, weight_map, report)
-    return report
+    """Run (or resume) the whole compression; returns the report (also OUT/qpalette-compress.json).
+
+    The whole run holds OUT.lock (`output_lock`), taken before OUT is checked or OUT.partial
+    opened: a second run on the same OUT (two --resume runs included) stops at once."""
+    with output_lock(opts.output, "qpalette compress", CompressError):
+        job = prepare_job(opts)
+        done, prior_s = open_partial(job, log)
+        if job.device.type == "cpu" and any(get_quantizer(q).family in ("tcq", "half-tcq")
+                                            for q in job.layout.layers.values()):
+            log("note: trellis (TCQ) quantization on CPU is slow (~25-50 min per 4096×4096 matrix); "
+                "use a GPU (--device cuda) for real models")
+        if job.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(job.device)
+        weight_map, totals = write_shards(job, done, prior_s)
+        report = make_report(job, totals, prior_s)
+        finish(job, weight_map, report)
+        return report

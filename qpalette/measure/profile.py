@@ -24,12 +24,13 @@ from __future__ import annotations
 import json
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 
 from qpalette.errors import KernelError, UnsupportedShape
-from qpalette.fileio import atomic_write
+from qpalette.fileio import atomic_write, output_lock
 from qpalette.measure import timing as kernel_timing
 from qpalette.models import topology as architecture
 from qpalette.models.topology import GROUPS
@@ -181,7 +182,11 @@ def profile_document(label: str, batch: int, constant: tuple[float, dict], shape
 def run_profile(model: str, batch_sizes: list[int] | None = None, out_dir: str | Path = ".",
                 entries: list[str] | None = None, dtype: str = "float16", constant: bool = True,
                 name: str | None = None, say=_say) -> list[Path]:
-    """Measure and write one `qpalette.latency/1` file per batch size; returns their paths."""
+    """Measure and write one `qpalette.latency/1` file per batch size; returns their paths.
+
+    Each output file is locked (`output_lock`, FILE.lock beside it) before the minutes of
+    measuring: a second profile writing one of the same files stops at once, while profiles of
+    other models or batch sizes may share the folder."""
     _require_kernels()
     batch_sizes = batch_sizes or [1]
     entries = entries or list(PALETTE)
@@ -189,20 +194,23 @@ def run_profile(model: str, batch_sizes: list[int] | None = None, out_dir: str |
     cfg, _source = load_model_config(model)
     shapes = group_shapes(cfg)
     label = name or cfg.get("_name_or_path") or Path(str(model)).name  # a model id, not a local path
-    say(f"profiling {label}: {len(shapes)} groups, {len(set(shapes.values()))} shapes, "
-        f"{len(entries)} entries, batch sizes {batch_sizes} on {torch.cuda.get_device_name()}")
-    t0 = time.time()
-    # the constants first: they fail fast where the kernel timings would take minutes
-    consts = {m: measure_constant(cfg, m, tdtype, say) if constant else (0.0, {}) for m in batch_sizes}
-    groups = measure_groups(shapes, entries, batch_sizes, tdtype, say)
-    measured = {"dtype": dtype, "torch": torch.__version__, "cuda": torch.version.cuda,
-                "seconds": time.time() - t0, "method": "median of CUDA-graph replays, weights cycled past L2"}
     stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(str(label)).name.lower())
-    written = []
-    for m in batch_sizes:
-        path = Path(out_dir) / f"latency_{stem}_b{m}.json"
-        doc = profile_document(str(label), m, consts[m], shapes, groups[m], measured)
-        atomic_write(path, json.dumps(doc, indent=1) + "\n")
-        say(f"wrote {path}")
-        written.append(path)
+    paths = {m: Path(out_dir) / f"latency_{stem}_b{m}.json" for m in batch_sizes}
+    with ExitStack() as locks:
+        for path in sorted(set(paths.values())):  # one order: two runs cannot each hold a part
+            locks.enter_context(output_lock(path, "qpalette profile"))
+        say(f"profiling {label}: {len(shapes)} groups, {len(set(shapes.values()))} shapes, "
+            f"{len(entries)} entries, batch sizes {batch_sizes} on {torch.cuda.get_device_name()}")
+        t0 = time.time()
+        # the constants first: they fail fast where the kernel timings would take minutes
+        consts = {m: measure_constant(cfg, m, tdtype, say) if constant else (0.0, {}) for m in batch_sizes}
+        groups = measure_groups(shapes, entries, batch_sizes, tdtype, say)
+        measured = {"dtype": dtype, "torch": torch.__version__, "cuda": torch.version.cuda,
+                    "seconds": time.time() - t0, "method": "median of CUDA-graph replays, weights cycled past L2"}
+        written = []
+        for m in batch_sizes:
+            doc = profile_document(str(label), m, consts[m], shapes, groups[m], measured)
+            atomic_write(paths[m], json.dumps(doc, indent=1) + "\n")
+            say(f"wrote {paths[m]}")
+            written.append(paths[m])
     return written

@@ -130,8 +130,19 @@ def _get(cfg: dict, key: str) -> int:
     return v
 
 
-def check_config(cfg: dict) -> None:
+#: a compressed checkpoint's model_type is its source's with this prefix ("qpalette_llama"): plain
+#: transformers refuses a type it does not know, where it would load random weights (docs/format.md)
+CHECKPOINT_TYPE_PREFIX = "qpalette_"
+
+
+def base_model_type(cfg: dict):
+    """The architecture's model_type: a compressed checkpoint's without its `qpalette_` prefix."""
     mt = cfg.get("model_type")
+    return mt.removeprefix(CHECKPOINT_TYPE_PREFIX) if isinstance(mt, str) else mt
+
+
+def check_config(cfg: dict) -> None:
+    mt = base_model_type(cfg)
     if mt not in SUPPORTED_MODEL_TYPES:
         raise ModelError(
             f"model_type {mt!r} is not supported; qpalette knows {', '.join(SUPPORTED_MODEL_TYPES)}"
@@ -195,12 +206,12 @@ def unquantized_params(cfg: dict, lm_head_quantized: bool = False) -> dict[str, 
     if not cfg.get("tie_word_embeddings", False) and not lm_head_quantized:
         out["lm_head"] = d["vocab"] * h
     out["norms"] = (2 * n + 1) * h
-    if cfg.get("model_type") == "qwen3":
+    if base_model_type(cfg) == "qwen3":
         out["qk_norms"] = 2 * n * d["head_dim"]
-    attn_bias = cfg.get("attention_bias", cfg.get("model_type") == "qwen2")
+    attn_bias = cfg.get("attention_bias", base_model_type(cfg) == "qwen2")
     if attn_bias:
         out["attention_bias"] = n * (q_out + 2 * kv_out)
-        if cfg.get("model_type") != "qwen2":  # Llama's attention_bias also covers o_proj
+        if base_model_type(cfg) != "qwen2":  # Llama's attention_bias also covers o_proj
             out["attention_bias"] += n * h
     if cfg.get("mlp_bias"):
         out["mlp_bias"] = n * (2 * d["intermediate"] + h)

@@ -33,8 +33,8 @@ def fragment_order() -> torch.Tensor:
 
 
 def check_tileable(rows: int, cols: int) -> None:
-    if rows % TILE or cols % TILE:
-        raise UnsupportedShape(f"shape {rows}×{cols}: both dimensions must be multiples of {TILE}")
+    if rows <= 0 or cols <= 0 or rows % TILE or cols % TILE:
+        raise UnsupportedShape(f"shape {rows}×{cols}: both dimensions must be positive multiples of {TILE}")
 
 
 def to_tiles(w: torch.Tensor) -> torch.Tensor:

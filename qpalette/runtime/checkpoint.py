@@ -14,10 +14,7 @@ the module tree follows from it and the architecture:
 
 from __future__ import annotations
 
-import json
-import struct
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -215,28 +212,3 @@ def dequantize_model(model: nn.Module, layout: Layout, dtype: torch.dtype) -> nn
         remove_cache_reset(m)
     delattr(model, CODEBOOKS_MODULE)
     return model
-
-
-def verify_shard(path: str | Path) -> None:
-    """Refuse a safetensors file that is truncated, padded or has a damaged header, naming it."""
-    p = Path(path)
-    try:
-        size = p.stat().st_size
-        with open(p, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{p}: truncated ({size} bytes): not a safetensors file")
-            (n,) = struct.unpack("<Q", head)
-            if n > size - 8:
-                raise CheckpointError(f"{p}: truncated or damaged header (says {n} bytes, file has {size})")
-            header = json.loads(f.read(n))
-    except OSError as e:
-        raise CheckpointError(f"cannot read {p}: {e}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{p}: damaged safetensors header ({e})") from None
-    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
-    if 8 + n + max(ends, default=0) != size:
-        raise CheckpointError(
-            f"{p}: truncated or damaged: header describes {8 + n + max(ends, default=0)} bytes, "
-            f"the file has {size}; re-run `qpalette compress` (or copy the file again)"
-        )

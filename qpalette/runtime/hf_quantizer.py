@@ -15,14 +15,15 @@ from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from qpalette.errors import CheckpointError
+from qpalette.models.topology import CHECKPOINT_TYPE_PREFIX, SUPPORTED_MODEL_TYPES
 from qpalette.runtime.checkpoint import (
     CODEBOOKS_MODULE,
     QUANT_METHOD,
     Layout,
     convert_model,
     dequantize_model,
-    verify_shard,
 )
+from qpalette.runtime.integrity import verify_shard
 
 
 class QpaletteConfig(QuantizationConfigMixin):
@@ -96,3 +97,24 @@ def register() -> None:
         register_quantization_config(QUANT_METHOD)(QpaletteConfig)
     if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
         register_quantizer(QUANT_METHOD)(QpaletteHfQuantizer)
+    for base in SUPPORTED_MODEL_TYPES:
+        _register_checkpoint_type(base)
+
+
+def _register_checkpoint_type(base: str) -> None:
+    """`qpalette_<base>` (what compress writes as model_type) → the base architecture's config and
+    causal-LM classes, subclassed only to carry that name: transformers without qpalette refuses the
+    unknown type instead of loading the checkpoint as `<base>` with random weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    name = CHECKPOINT_TYPE_PREFIX + base
+    if name in CONFIG_MAPPING:
+        return
+    base_config = CONFIG_MAPPING[base]
+    config_cls = type(f"Qpalette{base_config.__name__}", (base_config,), {"model_type": name})
+    model_cls = type(f"Qpalette{MODEL_FOR_CAUSAL_LM_MAPPING[base_config].__name__}",
+                     (MODEL_FOR_CAUSAL_LM_MAPPING[base_config],), {"config_class": config_cls})
+    AutoConfig.register(name, config_cls)
+    AutoModelForCausalLM.register(config_cls, model_cls)

@@ -4,7 +4,8 @@ The extension is compiled with torch.utils.cpp_extension for the compute capabil
 at hand (sm_80 or newer: cp.async and mma.m16n8k16) into `$QPALETTE_CACHE/kernels` (default
 `~/.cache/qpalette/kernels`), one folder per hash of the sources, architecture and torch build,
 so a later process loads it without compiling. CPU-only installs never touch this module's build.
-`QPALETTE_KERNELS=0` turns the kernels off (the ops fall back to the PyTorch reference);
+`QPALETTE_KERNELS=0` turns the kernels off (the ops fall back to the PyTorch reference); with
+them on, a failed build stops with a KernelError saying how to fix it (never a silent fallback);
 `QPALETTE_KERNELS_VERBOSE=1` shows the compiler's output.
 """
 
@@ -13,7 +14,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-import warnings
 from pathlib import Path
 
 from qpalette.errors import KernelError
@@ -59,7 +59,8 @@ def _load(arch: str):
     from torch.utils import cpp_extension
 
     if int(arch) < 80:
-        raise KernelError(f"the kernels need compute capability 8.0 or newer (this GPU: sm_{arch})")
+        raise KernelError(f"the qpalette kernels need compute capability 8.0 or newer (this GPU: sm_{arch}); "
+                          "set QPALETTE_KERNELS=0 to run the slow PyTorch reference path")
     files = sources()
     name = f"qpalette_kernels_{_digest(files, arch)}"
     build = cache_dir() / name
@@ -81,7 +82,19 @@ def _load(arch: str):
             verbose=verbose,
         )
     except Exception as e:  # compiler missing, build error, …
-        raise KernelError(f"building the qpalette CUDA kernels for sm_{arch} failed: {e}") from e
+        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)[:300]
+        raise KernelError(
+            f"building the qpalette CUDA kernels for sm_{arch} failed ({first}); install the CUDA "
+            f"toolkit (nvcc) and ninja matching torch's CUDA {_torch_cuda()} "
+            "(QPALETTE_KERNELS_VERBOSE=1 shows the compiler's output), or set QPALETTE_KERNELS=0 to run "
+            "the slow PyTorch reference path"
+        ) from e
+
+
+def _torch_cuda() -> str:
+    import torch
+
+    return str(torch.version.cuda)
 
 
 def extension(device=None):
@@ -89,22 +102,15 @@ def extension(device=None):
     return _load(arch_of(device))
 
 
-@functools.lru_cache(maxsize=None)
-def _available(arch: str) -> bool:
-    try:
-        _load(arch)
-        return True
-    except KernelError as e:
-        warnings.warn(f"{e}; using the PyTorch reference path", stacklevel=3)
-        return False
-
-
 def available(device=None) -> bool:
-    """True when the kernels are enabled, a CUDA device is present and the extension builds."""
+    """True when the kernels are enabled and a CUDA device is present; raises KernelError (one line,
+    with the fix) when they are enabled but cannot be built: silently running the reference path,
+    orders of magnitude slower, would look like a working install."""
     if os.environ.get("QPALETTE_KERNELS", "1") == "0":
         return False
     import torch
 
     if not torch.cuda.is_available():
         return False
-    return _available(arch_of(device))
+    _load(arch_of(device))
+    return True

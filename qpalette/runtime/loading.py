@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
 from qpalette.errors import CheckpointError, ModelError
 from qpalette.runtime.checkpoint import QUANT_METHOD
+from qpalette.runtime.integrity import verify_checkpoint_files
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -27,6 +29,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     register()
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
+    if _is_qpalette_folder(path):
+        verify_checkpoint_files(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     except (CheckpointError, ModelError):
@@ -44,6 +48,17 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
         except Exception:  # noqa: BLE001 — a model without a tokenizer still runs on token ids
             tok = None
     return model, tok
+
+
+def _is_qpalette_folder(path) -> bool:
+    """A local folder whose config.json declares a qpalette checkpoint (a broken config.json is
+    left to from_pretrained, which names what is wrong with it)."""
+    cfg = Path(path) / "config.json"
+    try:
+        qc = json.loads(cfg.read_text()).get("quantization_config")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return False
+    return isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD
 
 
 def is_quantized(model) -> bool:

@@ -106,7 +106,23 @@ def test_generate_and_from_pretrained(tiny_llama_dir, tmp_path):
     assert out.shape[1] == enc["input_ids"].shape[1] + 8
     assert isinstance(tok.decode(out[0]), str)
     card = (tmp_path / "q" / "README.md").read_text()
-    assert "import qpalette" in card and "garbage" in card
+    assert "import qpalette" in card and "`qpalette_llama`" in card
+
+
+def test_plain_transformers_refuses_a_checkpoint(tiny_llama_dir, tmp_path):
+    """Without `import qpalette` (a fresh interpreter), from_pretrained fails naming the qpalette
+    model type instead of loading random weights; with it, the same call loads and save_pretrained
+    keeps the guard."""
+    import subprocess
+    import sys
+
+    run_compress(tiny_llama_dir, tmp_path / "q", scheme="nuq-4")
+    plain = "from transformers import AutoModelForCausalLM as A; A.from_pretrained({!r})"
+    res = subprocess.run([sys.executable, "-c", plain.format(str(tmp_path / "q"))], capture_output=True, text=True)
+    assert res.returncode != 0 and "qpalette_llama" in res.stderr and "does not recognize" in res.stderr
+    q = load(tmp_path / "q")
+    q.save_pretrained(tmp_path / "again")
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["model_type"] == "qpalette_llama"
 
 
 def test_save_pretrained_round_trip_is_bit_exact(one_block_dir, tmp_path, ids):
