@@ -206,6 +206,11 @@ def measure_layers(opts: CalibrateOptions, run: PartialRun, names: list[str], se
         raise CalibrationError(
             f"interrupted: {len(run.layers)}/{len(names)} layers saved in {run.partial_path}; "
             f"rerun with --resume to continue") from None
+    except torch.cuda.OutOfMemoryError:
+        raise CalibrationError(
+            f"out of GPU memory after {len(run.layers)}/{len(names)} layers (saved in {run.partial_path}): "
+            f"lower --batch-size (this run: {settings.batch_size} sequences a pass) and rerun with --resume "
+            "(the batch size only sets how many sequences run at once)") from None
     finally:
         bar.close()
     return time.perf_counter() - t0
