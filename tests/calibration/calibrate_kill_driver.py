@@ -1,6 +1,6 @@
 """Test helper run as a child process: calibrate, SIGKILLed at one point of the run.
 
-    python kill_driver.py MODEL OUT POINT
+    python calibrate_kill_driver.py MODEL OUT POINT
 
 POINT: `sampling` (while the evaluation set is drawn), `mid_layer` (inside a layer's noise
 levels), `between` (after the third layer is saved), `final` (everything measured, before the

@@ -17,7 +17,7 @@ from helpers import run_compress
 from qpalette.compression import writer
 from qpalette.errors import CompressError
 
-DRIVER = Path(__file__).with_name("kill_driver.py")
+DRIVER = Path(__file__).with_name("compress_kill_driver.py")
 SCHEME = "vq-3.0"
 
 

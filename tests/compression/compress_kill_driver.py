@@ -1,6 +1,6 @@
 """Test helper run as a child process: compress, SIGKILLed at one point of the run.
 
-    python kill_driver.py SRC OUT SCHEME POINT
+    python compress_kill_driver.py SRC OUT SCHEME POINT
 
 POINT: `first` (before the first shard is made), `mid` (half a shard's temporary file written),
 `between` (after the first shard and its manifest), `rename` (everything written, before

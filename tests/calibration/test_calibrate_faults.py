@@ -16,9 +16,9 @@ from qpalette.calibration import noise
 from qpalette.calibration.sensitivity import CalibrateOptions, calibrate
 from qpalette.errors import CalibrationError
 
-DRIVER = Path(__file__).with_name("kill_driver.py")
+DRIVER = Path(__file__).with_name("calibrate_kill_driver.py")
 sys.path.insert(0, str(DRIVER.parent))
-from kill_driver import OPTIONS  # noqa: E402
+from calibrate_kill_driver import OPTIONS  # noqa: E402
 
 
 def measured(doc: dict) -> dict:
