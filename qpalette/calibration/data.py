@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from qpalette.calibration.progress import progress_bar
 from qpalette.errors import InputError
+from qpalette.progress import progress_bar
 
 DATASETS = {
     # --dataset NAME: (datasets path, config, split)

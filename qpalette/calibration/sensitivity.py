@@ -30,12 +30,12 @@ import torch
 from qpalette.calibration.data import load_text, sample_model, text_windows
 from qpalette.calibration.evaluator import linear_layers
 from qpalette.calibration.noise import Settings, fit_through_origin, noise_levels, run_layers
-from qpalette.calibration.progress import progress_bar
 from qpalette.calibration.resume import PartialRun
 from qpalette.calibration.workers import run_on_devices
 from qpalette.devices import DTYPE_NAMES, dtype_name, resolve_devices, resolve_dtype
 from qpalette.errors import CalibrationError
 from qpalette.fileio import atomic_write_json, output_lock
+from qpalette.progress import progress_bar
 
 FORMAT = "qpalette.sensitivity/1"
 

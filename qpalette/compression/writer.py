@@ -43,6 +43,7 @@ from qpalette.models.topology import (
     load_config,
 )
 from qpalette.planning.document import Plan
+from qpalette.progress import progress_bar
 from qpalette.quant.palette import get_quantizer
 from qpalette.runtime.checkpoint import Layout
 from qpalette.runtime.integrity import shard_bytes
@@ -180,7 +181,6 @@ def shard_tensors(job: Job, i: int, on_layer: Callable[[str], None]) -> dict[str
 
 def write_shards(job: Job, done: dict[str, dict], prior_s: float) -> tuple[dict[str, str], dict[str, int]]:
     """Write every missing shard (manifest after each); (weight map, bytes by category)."""
-    from tqdm.auto import tqdm
 
     def save_manifest():
         atomic_write_json(job.partial / PROGRESS_FILE, {
@@ -189,7 +189,7 @@ def write_shards(job: Job, done: dict[str, dict], prior_s: float) -> tuple[dict[
 
     weight_map: dict[str, str] = {}
     totals = dict.fromkeys(_CATEGORIES, 0)
-    bar = tqdm(total=job.n_shards, desc="compress", unit="shard", disable=job.opts.quiet, initial=len(done))
+    bar = progress_bar(job.n_shards, "compress", "shard", not job.opts.quiet, initial=len(done))
     with bar:
         for i in range(job.n_shards):
             fname = shard_name(i, job.n_shards)

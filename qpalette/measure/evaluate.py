@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 
 from qpalette.calibration.data import load_text, sample_model
-from qpalette.calibration.progress import progress_bar
 from qpalette.devices import dtype_name, resolve_device, resolve_dtype
 from qpalette.errors import InputError
+from qpalette.progress import progress_bar
 
 FORMAT = "qpalette.eval/1"
 

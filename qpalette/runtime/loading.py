@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from qpalette.errors import CheckpointError, ModelError
+from qpalette.progress import quiet_library_bars
 from qpalette.runtime.checkpoint import QUANT_METHOD
 from qpalette.runtime.integrity import verify_checkpoint_files
 
@@ -27,6 +28,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     from qpalette.runtime.hf_quantizer import register
 
     register()
+    quiet_library_bars()
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
     if _is_qpalette_folder(path):
