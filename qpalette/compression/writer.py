@@ -142,6 +142,12 @@ def prepare_job(opts: CompressOptions) -> Job:
     return Job(opts, src_dir, cfg, layers, layout, plan, device, src, out)
 
 
+def save_manifest(job: Job, done: dict[str, dict], seconds: float) -> None:
+    """OUT.partial's progress file: the finished shards, the run's fingerprint, the time spent."""
+    atomic_write_json(job.partial / PROGRESS_FILE, {
+        "format": PROGRESS_FORMAT, "fingerprint": job.fingerprint, "shards": done, "seconds": seconds})
+
+
 def open_partial(job: Job, log: Callable[[str], None]) -> tuple[dict[str, dict], float]:
     """(shards already written, seconds already spent) of OUT.partial, created if new."""
     partial, done, prior_s = job.partial, {}, 0.0
@@ -159,8 +165,7 @@ def open_partial(job: Job, log: Callable[[str], None]) -> tuple[dict[str, dict],
         log(f"resuming: {len(done)} of {job.n_shards} shards already written")
     else:  # the manifest first: a run killed before its first shard can still be resumed
         partial.mkdir(parents=True)
-        atomic_write_json(partial / PROGRESS_FILE, {"format": PROGRESS_FORMAT, "fingerprint": job.fingerprint,
-                                                    "shards": {}, "seconds": 0.0})
+        save_manifest(job, done, 0.0)
     for stray in partial.glob(".*.tmp"):  # temporaries of a killed write
         stray.unlink()
     return done, prior_s
@@ -182,11 +187,6 @@ def shard_tensors(job: Job, i: int, on_layer: Callable[[str], None]) -> dict[str
 def write_shards(job: Job, done: dict[str, dict], prior_s: float) -> tuple[dict[str, str], dict[str, int]]:
     """Write every missing shard (manifest after each); (weight map, bytes by category)."""
 
-    def save_manifest():
-        atomic_write_json(job.partial / PROGRESS_FILE, {
-            "format": PROGRESS_FORMAT, "fingerprint": job.fingerprint, "shards": done,
-            "seconds": prior_s + time.time() - job.started})
-
     weight_map: dict[str, str] = {}
     totals = dict.fromkeys(_CATEGORIES, 0)
     bar = progress_bar(job.n_shards, "compress", "shard", not job.opts.quiet, initial=len(done))
@@ -198,7 +198,7 @@ def write_shards(job: Job, done: dict[str, dict], prior_s: float) -> tuple[dict[
                     tensors = shard_tensors(job, i, lambda n: bar.set_postfix_str(n.split("layers.")[-1]))
                     atomic_write(job.partial / fname, shard_bytes(tensors))
                     done[fname] = {"tensors": sorted(tensors), "bytes": byte_breakdown(tensors, job.layout)}
-                    save_manifest()
+                    save_manifest(job, done, prior_s + time.time() - job.started)
                 bar.update(1)
             weight_map.update(dict.fromkeys(done[fname]["tensors"], fname))
             for k in totals:
