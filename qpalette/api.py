@@ -148,6 +148,28 @@ def evaluate(model: str, *, log: Log = _quiet, **options) -> dict:
     return run(EvalOptions(model=model, **options), log=log)
 
 
+def generate(model, tokenizer=None, prompts: str | list[str] = "", *, max_new_tokens: int = 128,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat: bool = False,
+             device: str = "auto", on_text: Callable[[int, str], None] | None = None, graphs: bool | None = None,
+             stop_at_eos: bool = True):
+    """Text for each prompt from qpalette's decoder (static KV cache, decode steps replayed as CUDA
+    graphs, the next token chosen on the GPU); returns a `qpalette.generation.Generation` (texts,
+    token ids, timings). `model`: a loaded model (with its `tokenizer`), or a path / model name,
+    loaded here on `device`. Greedy when temperature is 0; `seed` makes sampling reproducible.
+    `on_text(i, piece)` streams prompt i's text as it is decoded."""
+    from qpalette.generation import SamplingOptions
+    from qpalette.generation import generate as run
+
+    if isinstance(model, (str, Path)):
+        from qpalette.devices import resolve_device
+
+        model, loaded_tok = load_model(model, resolve_device(device))
+        tokenizer = tokenizer or loaded_tok
+    sampling = SamplingOptions(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    return run(model, tokenizer, prompts, max_new_tokens=max_new_tokens, sampling=sampling, chat=chat,
+               on_text=on_text, stop_at_eos=stop_at_eos, graphs=graphs)
+
+
 def bench(model: str, *, json_out: str | Path | None = None, log: Log = _quiet, **options) -> dict:
     """Decode tokens/s (generate and the compiled forward loop), also written to `json_out`;
     `options` are the fields of `qpalette.measure.bench.BenchOptions` (batch_sizes, prompt_len,

@@ -275,6 +275,55 @@ def eval_(
 
 
 @app.command()
+def generate(
+    model: str = typer.Argument(
+        ..., help="Local HF model dir (original or compressed), .gguf/.whl file, or 'smollm2-135m'."
+    ),
+    prompt: list[str] = typer.Option(..., "--prompt", "-p", help="Prompt text; repeat for a batch of prompts."),
+    chat: bool = typer.Option(False, "--chat", help="Wrap each prompt in the tokenizer's chat template."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="Most new tokens per prompt."),
+    temperature: float = typer.Option(0.0, help="0 is greedy; above 0 samples from softmax(logits/T)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Sample only from the smallest set of tokens with this mass."),
+    top_k: int = typer.Option(0, "--top-k", help="Sample only from the k most likely tokens (0: all)."),
+    seed: int = typer.Option(0, help="Seed of the sampling noise: the same seed gives the same text."),
+    batch: int = typer.Option(1, "--batch", "-b", help="Run every prompt this many times (samples differ)."),
+    device: str = typer.Option("auto", help="auto (cuda if available), cpu, cuda, cuda:N."),
+    graphs: bool = typer.Option(True, "--graphs/--no-graphs", help="Replay decode steps as CUDA graphs (on a GPU)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write texts and timings to this JSON file."),
+) -> None:
+    """Generate text with qpalette's decoder: static KV cache, decode steps replayed as CUDA graphs,
+    the next token chosen on the GPU. Works for original and compressed models alike; one prompt
+    streams to the terminal as it is generated; timings go to stderr."""
+    if batch < 1:
+        fail("--batch must be ≥ 1")
+    prompts = [p for p in prompt for _ in range(batch)]
+    stream = len(prompts) == 1
+
+    def show(i: int, piece: str) -> None:
+        typer.echo(piece, nl=False)
+
+    out = api.generate(model, None, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                       top_p=top_p, seed=seed, chat=chat, device=device, on_text=show if stream else None,
+                       graphs=graphs)
+    if stream:
+        typer.echo()
+    else:
+        for i, text in enumerate(out.texts):
+            typer.echo(f"--- {i}: {prompts[i]!r}\n{text}")
+    r = out.result
+    typer.echo(f"prefill {r.prefill_s * 1e3:.1f} ms; {r.steps} decode steps at {r.decode_tok_per_s:.1f} tok/s per "
+               f"sequence ({r.decode_tok_per_s * len(prompts):.1f} total); host {r.host_step_s * 1e3:.3f} ms a step; "
+               f"CUDA graphs {'on' if r.graphs else 'off'}", err=True)
+    if json_out:
+        from qpalette.fileio import atomic_write_json
+
+        atomic_write_json(json_out, {"format": "qpalette.generate/1", "prompts": prompts, "texts": out.texts,
+                                     "tokens": out.tokens, "finished": r.finished, "prefill_s": r.prefill_s,
+                                     "decode_s": r.decode_s, "steps": r.steps, "host_step_s": r.host_step_s,
+                                     "cuda_graphs": r.graphs})
+
+
+@app.command()
 def bench(
     model: str = typer.Argument(
         ..., help="Local HF model dir (original or compressed), .gguf/.whl file, or 'smollm2-135m'."
@@ -284,12 +333,20 @@ def bench(
     gen_len: int = typer.Option(128, "--gen-len", help="Generated tokens per sequence (steps timed)."),
     device: str = typer.Option("auto", help="auto (cuda if available), cpu, cuda, cuda:N."),
     compile: bool = typer.Option(True, "--compile/--no-compile", help="torch.compile + CUDA graphs (GPU)."),
+    compile_modes: str = typer.Option(
+        "default", "--compile-modes",
+        help="How generate and the loop compile: default (transformers' reduce-overhead), lean (without "
+        "dynamo's guards on module state), or both: default,lean.",
+    ),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the result to this JSON file."),
 ) -> None:
-    """Decode tokens/s with a static KV cache and CUDA graphs: the same harness for FP16 and
-    compressed models."""
+    """Decode tokens/s three ways, side by side: qpalette's decoder (what `qpalette generate`
+    runs), transformers' generate (static cache, compiled) and the compiled forward loop (the
+    GPU's time per token). The same harness for original and compressed models."""
+    modes = tuple(m.strip() for m in compile_modes.split(",") if m.strip())
     api.bench(model, batch_sizes=tuple(_int_list(batch_sizes, "--batch-sizes")), prompt_len=prompt_len,
-              gen_len=gen_len, device=device, compile=compile, json_out=json_out, log=typer.echo)
+              gen_len=gen_len, device=device, compile=compile, compile_modes=modes, json_out=json_out,
+              log=typer.echo)
 
 
 @app.command()

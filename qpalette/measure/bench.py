@@ -11,6 +11,13 @@
   static cache, greedy argmax fed back, `gen_len` steps between two CUDA events with no
   synchronise in between: what the GPU needs per token when the host keeps up (as gpt-fast
   style decoders run). The gap between the two is host overhead, not kernels.
+- decoder: qpalette's own decoder (qpalette.generation; static cache, decode steps replayed as
+  CUDA graphs, tokens read back a few steps behind): what `qpalette generate` gives, timed over
+  the whole decode from the first step enqueued to the last token read, with the host's time to
+  enqueue each step.
+Each compiled way runs with every compile mode asked for (`compile_modes`, qpalette.generation.
+hf_compile: "default" is transformers' reduce-overhead; "lean" drops dynamo's module guards); the
+loop also records the host's time per compiled call.
 tok/s = 1 / step time (per sequence), throughput = batch / step time.
 """
 
@@ -25,6 +32,7 @@ import torch
 
 from qpalette.devices import resolve_device
 from qpalette.errors import InputError
+from qpalette.generation.hf_compile import MODES, compile_config, compile_kwargs
 from qpalette.runtime.loading import load_model
 from qpalette.runtime.modules import decoded_bytes
 
@@ -38,6 +46,7 @@ class BenchOptions:
     device: str = "auto"
     compile: bool = True
     seed: int = 0
+    compile_modes: tuple[str, ...] = ("default",)
 
 
 class _StepClock:
@@ -59,13 +68,14 @@ def random_prompt(model, batch: int, prompt_len: int, seed: int) -> torch.Tensor
     return torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=g).to(model.device)
 
 
-def decode_step_times(model, batch: int, prompt_len: int, gen_len: int, compile: bool, seed: int) -> list[float]:
+def decode_step_times(model, batch: int, prompt_len: int, gen_len: int, compile: bool, seed: int,
+                      mode: str = "default") -> list[float]:
     from transformers import StoppingCriteriaList
 
     device = model.device
     ids = random_prompt(model, batch, prompt_len, seed)
     kw = dict(max_new_tokens=gen_len, min_new_tokens=gen_len, do_sample=False,
-              cache_implementation="static", disable_compile=not compile,
+              cache_implementation="static", disable_compile=not compile, compile_config=compile_config(mode),
               pad_token_id=model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0)
     if compile:
         torch._dynamo.reset()
@@ -91,8 +101,8 @@ def static_cache(config, batch: int, max_len: int, device, dtype):
 class DecodeLoop:
     """Greedy one-token steps of `model.forward` against a static KV cache prefilled with a random
     prompt: the loop that `bench`, `profile` and scripts/decode_breakdown.py time. `compile`: None
-    (eager), "reduce-overhead" (inductor + CUDA graphs, as `generate` compiles) or "default"
-    (inductor kernels launched one by one)."""
+    (eager), "reduce-overhead" (inductor + CUDA graphs, as `generate` compiles), "lean" (the same
+    without guards on module state, hf_compile) or "default" (inductor kernels launched one by one)."""
 
     def __init__(self, model, batch: int, prompt_len: int, steps: int, compile: str | None = None, seed: int = 0):
         device = model.device
@@ -101,8 +111,9 @@ class DecodeLoop:
         self.positions = torch.arange(prompt_len + steps, device=device)
         if compile:
             torch._dynamo.reset()  # each loop compiles afresh: no recompile limit hit, no stale graphs
-        self.graphs = compile == "reduce-overhead"
-        self.forward = torch.compile(model.forward, mode=compile) if compile else model.forward
+        self.graphs = compile in ("reduce-overhead", "lean")
+        kwargs = compile_kwargs("lean") if compile == "lean" else {"mode": compile}
+        self.forward = torch.compile(model.forward, **kwargs) if compile else model.forward
         with torch.no_grad():
             logits = model(input_ids=ids, past_key_values=self.cache, use_cache=True, **self._where(0, prompt_len)).logits
         self.tokens = [logits[:, -1:].argmax(-1)]
@@ -125,22 +136,75 @@ class DecodeLoop:
 def decode_loop_step_time(model, batch: int, prompt_len: int, gen_len: int, compile: bool, seed: int,
                           warmup: int = 4) -> float:
     """Seconds per decode step of the forward alone (see the module docstring), on a fresh cache."""
-    loop = DecodeLoop(model, batch, prompt_len, warmup + gen_len, "reduce-overhead" if compile else None, seed)
+    return decode_loop_times(model, batch, prompt_len, gen_len, "reduce-overhead" if compile else None, seed,
+                             warmup)[0]
+
+
+def decode_loop_times(model, batch: int, prompt_len: int, gen_len: int, compile: str | None, seed: int,
+                      warmup: int = 4) -> tuple[float, float]:
+    """(GPU seconds per decode step, median host seconds per call) of the forward loop."""
+    loop = DecodeLoop(model, batch, prompt_len, warmup + gen_len, compile, seed)
     for _ in range(warmup):
         loop.step()
-    if model.device.type != "cuda":
-        t0 = time.perf_counter()
-        for _ in range(gen_len):
-            loop.step()
-        return (time.perf_counter() - t0) / gen_len
-    torch.cuda.synchronize(model.device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+    cuda = model.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(model.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    host, t0 = [], time.perf_counter()
     for _ in range(gen_len):
+        a = time.perf_counter()
         loop.step()
+        host.append(time.perf_counter() - a)
+    if not cuda:
+        return (time.perf_counter() - t0) / gen_len, statistics.median(host)
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) / 1e3 / gen_len
+    return start.elapsed_time(end) / 1e3 / gen_len, statistics.median(host)
+
+
+def decoder_times(model, batch: int, prompt_len: int, gen_len: int, seed: int) -> dict:
+    """qpalette's decoder on the same random prompts, greedy, never stopping early: the second of
+    two runs (the first captures the graphs)."""
+    from qpalette.generation import Decoder, SamplingOptions
+
+    prompts = random_prompt(model, batch, prompt_len, seed).tolist()
+    dec = Decoder(model)
+    for _ in range(2):
+        r = dec.generate_ids(prompts, gen_len, SamplingOptions(), stop_at_eos=False)
+    step = r.decode_s / r.steps
+    return {"decoder_step_s": step, "decoder_tok_per_s": 1 / step, "decoder_throughput_tok_per_s": batch / step,
+            "decoder_host_step_s": r.host_step_s, "decoder_cuda_graphs": r.graphs}
+
+
+def _measure_batch(model, opts: BenchOptions, b: int, compiled: bool) -> dict:
+    """One row of the report: every way of decoding at batch size b."""
+    row: dict = {"batch_size": b}
+    for mode in opts.compile_modes if compiled else ("default",):
+        key = "" if mode == "default" else f"_{mode}"
+        steps = decode_step_times(model, b, opts.prompt_len, opts.gen_len, compiled, opts.seed, mode)
+        step = statistics.median(steps)
+        loop, loop_host = decode_loop_times(model, b, opts.prompt_len, opts.gen_len,
+                                            ("reduce-overhead" if mode == "default" else mode) if compiled else None,
+                                            opts.seed)
+        row.update({f"step{key}_s": step, f"tok_per_s{key}": 1 / step, f"throughput_tok_per_s{key}": b / step,
+                    f"steps_timed{key}": len(steps), f"step_p10{key}_s": _pct(steps, 10),
+                    f"step_p90{key}_s": _pct(steps, 90), f"loop{key}_step_s": loop, f"loop{key}_tok_per_s": 1 / loop,
+                    f"loop{key}_throughput_tok_per_s": b / loop, f"loop{key}_host_s": loop_host})
+    row.update(decoder_times(model, b, opts.prompt_len, opts.gen_len, opts.seed))
+    return row
+
+
+def _describe(row: dict, modes) -> str:
+    parts = [f"batch {row['batch_size']}: decoder {row['decoder_tok_per_s']:8.1f} tok/s per sequence "
+             f"(host {row['decoder_host_step_s'] * 1e3:.3f} ms a step, CUDA graphs "
+             f"{'on' if row['decoder_cuda_graphs'] else 'off'})"]
+    for mode in modes:
+        key = "" if mode == "default" else f"_{mode}"
+        if f"tok_per_s{key}" in row:
+            parts.append(f"[{mode}] generate {row[f'tok_per_s{key}']:8.1f}, forward loop {row[f'loop{key}_tok_per_s']:8.1f} "
+                         f"tok/s (host {row[f'loop{key}_host_s'] * 1e3:.3f} ms a call)")
+    return "; ".join(parts)
 
 
 def bench(opts: BenchOptions, log: Callable[[str], None] = print) -> dict:
@@ -149,6 +213,9 @@ def bench(opts: BenchOptions, log: Callable[[str], None] = print) -> dict:
     device = resolve_device(opts.device)
     if min(opts.batch_sizes) < 1 or opts.prompt_len < 1 or opts.gen_len < 4:
         raise InputError("batch sizes and prompt length must be ≥ 1 and --gen-len ≥ 4")
+    unknown = set(opts.compile_modes) - set(MODES)
+    if unknown or not opts.compile_modes:
+        raise InputError(f"--compile-modes {','.join(opts.compile_modes)}: choose from {', '.join(MODES)}")
     try:
         path = resolve_model(opts.model, quiet=True)
     except ModelError as e:
@@ -157,25 +224,18 @@ def bench(opts: BenchOptions, log: Callable[[str], None] = print) -> dict:
     if device.type == "cpu":
         log("note: on CPU there are no CUDA graphs and qpalette layers run on weights decoded once "
             "(QPALETTE_CPU_DECODED_BYTES) or the pure-PyTorch reference: numbers say little about GPU speed")
+    compiled = opts.compile and device.type == "cuda"
     rows = []
     for b in opts.batch_sizes:
-        steps = decode_step_times(model, b, opts.prompt_len, opts.gen_len, opts.compile and device.type == "cuda",
-                                  opts.seed)
-        step = statistics.median(steps)
-        loop = decode_loop_step_time(model, b, opts.prompt_len, opts.gen_len,
-                                     opts.compile and device.type == "cuda", opts.seed)
-        rows.append({"batch_size": b, "step_s": step, "tok_per_s": 1 / step, "throughput_tok_per_s": b / step,
-                     "steps_timed": len(steps), "step_p10_s": _pct(steps, 10), "step_p90_s": _pct(steps, 90),
-                     "loop_step_s": loop, "loop_tok_per_s": 1 / loop, "loop_throughput_tok_per_s": b / loop})
-        log(f"batch {b}: generate {1 / step:8.1f} tok/s per sequence, {b / step:8.1f} tok/s total "
-            f"(median step {step * 1e3:.3f} ms over {len(steps)} steps); "
-            f"forward loop {1 / loop:8.1f} tok/s ({loop * 1e3:.3f} ms a step)")
+        rows.append(_measure_batch(model, opts, b, compiled))
+        log(_describe(rows[-1], opts.compile_modes))
     return {
-        "format": "qpalette.bench/1",
+        "format": "qpalette.bench/2",
         "model": str(opts.model),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(model.dtype).removeprefix("torch."),
-        "compiled": opts.compile and device.type == "cuda",
+        "compiled": compiled,
+        "compile_modes": list(opts.compile_modes) if compiled else [],
         "quantized": "quantization_config" in model.config.to_dict(),
         "cpu_decoded_weight_bytes": decoded_bytes() if device.type == "cpu" else None,
         "prompt_len": opts.prompt_len,

@@ -21,14 +21,17 @@ def test_bench_original_and_compressed(tiny_llama_dir, tmp_path):
         assert [row["batch_size"] for row in r["rows"]] == [1, 3]
         assert all(row["steps_timed"] == 4 and row["tok_per_s"] > 0 for row in r["rows"])
         assert all(row["loop_step_s"] > 0 and abs(row["loop_tok_per_s"] * row["loop_step_s"] - 1) < 1e-9 for row in r["rows"])
-        assert "forward loop" in res.output
-        assert r["quantized"] == (d != tiny_llama_dir)
+        assert all(row["decoder_tok_per_s"] > 0 and row["decoder_host_step_s"] > 0 and
+                   row["decoder_cuda_graphs"] is False for row in r["rows"])
+        assert "forward loop" in res.output and "decoder" in res.output
+        assert r["quantized"] == (d != tiny_llama_dir) and r["format"] == "qpalette.bench/2"
 
 
 def test_bench_errors(tmp_path):
     for args, msg in ((["bench", "/no/such/dir"], "no such"),
                       (["bench", "smollm2-135m", "--batch-sizes", "x"], "--batch-sizes"),
-                      (["bench", "smollm2-135m", "--device", "tpu"], "bad --device")):
+                      (["bench", "smollm2-135m", "--device", "tpu"], "bad --device"),
+                      (["bench", "smollm2-135m", "--compile-modes", "fast"], "--compile-modes")):
         res = runner.invoke(app, args)
         assert res.exit_code == 2 and msg in res.output and "Traceback" not in res.output, res.output
 
