@@ -227,22 +227,23 @@ class Decoder:
         overwrites)."""
         if self.compile and self._compiled_step is None:
             self._compiled_step = torch.compile(self._step, dynamic=False)
-        step = self._compiled_step or self._step
+        step = self._compiled_step if self.compile else self._step
         saved = [b.clone() for b in state.buffers()]
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
+        try:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    step(state, sampling)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            _restore(state, saved)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
                 step(state, sampling)
-            for b, s in zip(state.buffers(), saved):
-                b.copy_(s)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step(state, sampling)
-        for b, s in zip(state.buffers(), saved):
-            b.copy_(s)
-        return graph
+            return graph
+        finally:  # captured or not, the next step starts from the state prefill left
+            torch.cuda.synchronize(self.device)
+            _restore(state, saved)
 
     def _decode(self, state: _Batch, sampling: SamplingOptions, steps: int, reader: "_Reader"
                 ) -> tuple[int, list[float], float]:
@@ -262,6 +263,11 @@ class Decoder:
             back.pop_ready(reader, wait=back.pending() >= READ_BEHIND)
         back.drain(reader)
         return run, host, time.perf_counter() - t0
+
+
+def _restore(state: _Batch, saved: list[torch.Tensor]) -> None:
+    for b, s in zip(state.buffers(), saved):
+        b.copy_(s)
 
 
 def _graph_key(sampling: SamplingOptions) -> tuple:

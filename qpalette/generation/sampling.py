@@ -68,6 +68,9 @@ def uniform_noise(streams: torch.Tensor, step: torch.Tensor, vocab: int) -> torc
     return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
 
 
+# Not compiled: inductor's code generation fails on the cumulative sum over a real vocabulary
+# (split scan over 49152 tokens, torch 2.11); run eagerly, its kernels are captured all the same.
+@torch.compiler.disable
 def filtered_logits(logits: torch.Tensor, opts: SamplingOptions) -> torch.Tensor:
     """logits / temperature with every token outside top-k and outside the top-p nucleus at -inf
     (the most likely token always stays)."""

