@@ -256,6 +256,49 @@ def targets(sweep: dict | None, folder: Path) -> list[str]:
     return out + [""]
 
 
+def generation(folder: Path) -> list[str]:
+    """(e): the three ways of decoding, side by side, from `qpalette bench` runs (bench/2)."""
+    out = ["## (e) Generation: qpalette's decoder, transformers' generate and the forward loop", ""]
+    runs = {p.stem.removeprefix("bench_"): load(p) for p in sorted(folder.glob("bench_*.json"))}
+    if not runs:
+        return out + ["(no data)", ""]
+    any_run = next(iter(runs.values()))
+    out.append(f"{any_run['device']}, {any_run['dtype']}, synthetic Llama-3.1-8B (32 blocks), prompt "
+               f"{any_run['prompt_len']} tokens, {any_run['gen_len']} generated, one `qpalette bench --batch-sizes 1,8 "
+               "--prompt-len 16 --gen-len 64` per model in one device session (`results/decoder_h100/README.md`). "
+               "**decoder** = `qpalette generate`'s decoder (decode steps compiled by inductor and replayed as CUDA "
+               "graphs, tokens read back behind the GPU), wall time of the whole decode; **generate** = "
+               "transformers' `generate`, static cache, compiled; **loop** = the compiled forward alone (GPU time "
+               "per token). Host ms: the decoder's time to enqueue one step; the loop's time per compiled call.")
+    out += ["", "| model | batch | decoder tok/s | decoder / loop | host ms a step | generate tok/s | generate / loop "
+            "| loop tok/s | loop host ms a call |", "|---|---|---|---|---|---|---|---|---|"]
+    for key, res in runs.items():
+        for r in res["rows"]:
+            loop = r["loop_tok_per_s"]
+            out.append(f"| {key} | {r['batch_size']} | {r['decoder_tok_per_s']:.1f} | {r['decoder_tok_per_s'] / loop:.3f} | "
+                       f"{r['decoder_host_step_s'] * 1e3:.3f} | {r['tok_per_s']:.1f} | {r['tok_per_s'] / loop:.3f} | "
+                       f"{loop:.1f} | {r['loop_host_s'] * 1e3:.3f} |")
+    return out + [""]
+
+
+def generation_targets(folder: Path) -> list[str]:
+    """Issue 15's targets: decoder within 5% of the loop, generate within 10%, host ≤ 0.1 ms at batch 1."""
+    out = []
+    for key, res in {p.stem.removeprefix("bench_"): load(p) for p in sorted(folder.glob("bench_*.json"))}.items():
+        for r in res["rows"]:
+            b, loop = r["batch_size"], r["loop_tok_per_s"]
+            dec, gen = r["decoder_tok_per_s"] / loop, r["tok_per_s"] / loop
+            out.append(f"| {key} batch {b}: decoder within 5% of the forward loop | {dec:.3f} | "
+                       f"{'yes' if dec >= 0.95 else 'no'} |")
+            out.append(f"| {key} batch {b}: transformers' generate within 10% of the loop | {gen:.3f} | "
+                       f"{'yes' if gen >= 0.9 else 'no'} |")
+            if b == 1:
+                host = r["decoder_host_step_s"] * 1e3
+                out.append(f"| {key} batch 1: decoder host time ≤ 0.1 ms a step | {host:.3f} ms | "
+                           f"{'yes' if host <= 0.1 else 'no'} |")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", type=Path, default=Path("results"))
@@ -274,7 +317,8 @@ def main() -> None:
     lines += linearity(validation, sweep, figdir)
     lines += kernels(bench, figdir) if bench else ["## (c) Kernels", "", "(no kernel benchmark yet)", ""]
     lines += speed(res / "speed_llama8b_v2", figdir)
-    lines += targets(sweep, res / "speed_llama8b_v2")
+    lines += generation(res / "decoder_h100")
+    lines += targets(sweep, res / "speed_llama8b_v2")[:-1] + generation_targets(res / "decoder_h100") + [""]
     args.out.write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out} and plots in {figdir}")
 

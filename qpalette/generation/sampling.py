@@ -72,8 +72,8 @@ def uniform_noise(streams: torch.Tensor, step: torch.Tensor, vocab: int) -> torc
 # (split scan over 49152 tokens, torch 2.11); run eagerly, its kernels are captured all the same.
 @torch.compiler.disable
 def filtered_logits(logits: torch.Tensor, opts: SamplingOptions) -> torch.Tensor:
-    """logits / temperature with every token outside top-k and outside the top-p nucleus at -inf
-    (the most likely token always stays)."""
+    """logits / temperature with every token outside top-k, and outside the top-p nucleus of the
+    tokens top-k kept, at -inf (the most likely token always stays)."""
     scaled = logits.float() / opts.temperature
     if opts.top_k == 0 and opts.top_p >= 1:
         return scaled
@@ -82,8 +82,8 @@ def filtered_logits(logits: torch.Tensor, opts: SamplingOptions) -> torch.Tensor
     drop = torch.zeros_like(ordered, dtype=torch.bool)
     if opts.top_k:
         drop |= rank >= opts.top_k
-    if opts.top_p < 1:
-        probs = ordered.softmax(-1)
+    if opts.top_p < 1:  # the nucleus of what top-k kept, as transformers' warpers chain them
+        probs = ordered.masked_fill(drop, float("-inf")).softmax(-1)
         drop |= (probs.cumsum(-1) - probs) >= opts.top_p  # mass before this token already ≥ p
     drop[..., 0] = False
     ordered = ordered.masked_fill(drop, float("-inf"))
