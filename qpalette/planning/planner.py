@@ -320,7 +320,7 @@ def _provenance(sens: Sensitivity, dist: DistortionTable, prof: LatencyProfile |
                 command: str | None) -> dict:
     """Where the plan's inputs came from (paths and sha256), versions, time and command line."""
     def inp(path, sha):
-        return {"path": str(path), "sha256": sha}
+        return {"path": _portable(path), "sha256": sha}
 
     return {
         "sensitivity": inp(sens.path, sens.sha256) | {
@@ -335,6 +335,17 @@ def _provenance(sens: Sensitivity, dist: DistortionTable, prof: LatencyProfile |
         "wall_time_s": None,
         "command": command or " ".join(sys.argv),
     }
+
+
+def _portable(path) -> str | None:
+    """A shipped file as `qpalette:profiles/NAME` (the same on every machine); others as given."""
+    from qpalette.quant.codebooks import profiles_dir
+
+    if path is None:
+        return None
+    p = Path(path).resolve()
+    shipped = profiles_dir().resolve()
+    return f"qpalette:profiles/{p.relative_to(shipped).as_posix()}" if p.is_relative_to(shipped) else str(path)
 
 
 def _version() -> str:

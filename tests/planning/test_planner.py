@@ -78,7 +78,7 @@ def test_cli_memory_plan_writes_json_png_and_show(tmp_path):
         sum(v["bytes"] for v in p["layers"].values()) + p["totals"]["bytes"]["codebooks"]
         + p["totals"]["bytes"]["sign_vectors"] + p["totals"]["bytes"]["unquantized_modules"]
     )
-    assert p["provenance"]["sensitivity"]["sha256"]
+    assert p["provenance"]["sensitivity"]["sha256"] and p["provenance"]["sensitivity"]["path"] == "qpalette:profiles/reference/llama31_8b_sensitivity.json"
     assert (tmp_path / "p.png").stat().st_size > 1000
     r = runner.invoke(app, ["plan", "--show", str(out)])
     assert r.exit_code == 0 and "model.layers.31.mlp.down_proj" in r.output
@@ -189,7 +189,8 @@ def test_speed_budget_without_profile_uses_a_matching_shipped_one(tmp_path):
     for bs in (None, 8):
         p = plan(None, ["150tok/s"], sensitivity=sens, batch_size=bs)
         src = p.provenance["latency_profile"]
-        assert src["path"].endswith(f"h100_latency_smollm2-135m_b{bs or 1}.json")
+        assert src["path"] == f"qpalette:profiles/h100_latency_smollm2-135m_b{bs or 1}.json"
+        assert p.provenance["distortion"]["path"] == "qpalette:profiles/distortion_gaussian.json"
         assert any("shipped" in n for n in p.notes)
         assert p.totals["tok_per_s"] >= 150 * (1 - 1e-6)
 
