@@ -84,7 +84,7 @@ class QpaletteHfQuantizer(HfQuantizer):
 
     @property
     def is_trainable(self) -> bool:
-        return False
+        return True  # adapters (qpalette.runtime.lora); the quantized weights themselves stay frozen
 
     @property
     def is_compileable(self) -> bool:

@@ -113,6 +113,12 @@ class QuantizedLinear(_CallCache, _KeepsFp16):
     def extra_repr(self) -> str:
         return f"{self.in_features}→{self.out_features}, {self.quantizer.name}"
 
+    @property
+    def qweight(self) -> torch.Tensor:
+        """The (first) code tensor: where peft and similar tools look for a quantized layer's
+        device (the name GPTQ layers use)."""
+        return getattr(self, self.tensor_names[0])
+
     def stored_tensors(self) -> dict[str, torch.Tensor]:
         """The buffers as they are now (lane-major codes once `to_lane_major` ran)."""
         return {n: getattr(self, n) for n in self.tensor_names}
@@ -248,6 +254,18 @@ class FusedSlice(nn.Module):
         super().__init__()
         self.__dict__["group"] = group  # the group is registered on the parent, not here
         self.start, self.stop = start, stop
+
+    @property
+    def in_features(self) -> int:
+        return self.group.in_features
+
+    @property
+    def qweight(self) -> torch.Tensor:
+        return self.group.qweight
+
+    @property
+    def out_features(self) -> int:
+        return self.stop - self.start
 
     def extra_repr(self) -> str:
         return f"rows {self.start}:{self.stop} of a fused {self.group.quantizer.name} group"

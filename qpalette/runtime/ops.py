@@ -364,3 +364,95 @@ def _(x, signs, codes, codes_b, row_scale, quantizer, out_features):
 @_rotated_qmm_op.register_fake
 def _(x, signs, codes, codes_b, row_scale, quantizer, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
+
+
+# ---- backward: gradients to the activations (the quantized weights are frozen) --------------------
+# What LoRA adapters on a compressed model need: dL/dx of every quantized layer. For y = W_r·H(s⊙x):
+# dL/dx = s ⊙ Hᵀ(dL/dy · W_r), with W_r decoded densely for the one layer (the dequantize kernel on
+# CUDA, the reference elsewhere); codes, row scales and signs get no gradient. Both steps are custom
+# ops themselves, so that a compiled backward sees them as opaque calls.
+
+@torch.library.custom_op("qpalette::rotate_transposed", mutates_args=())
+def rotate_transposed(g: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """s ⊙ Hᵀ g: the adjoint of `rotate`, in g's dtype."""
+    from qpalette.quant.hadamard import hadamard_transform
+
+    return (hadamard_transform(g.float(), transpose=True) * unpack_signs(signs).to(g.device)).to(g.dtype)
+
+
+@rotate_transposed.register_fake
+def _(g, signs):
+    return torch.empty_like(g, memory_format=torch.contiguous_format)
+
+
+def _dense_weight_reference(codes, codes_b, row_scale, quantizer, out_features, in_features, dtype):
+    tensors = {"row_scale": row_scale}
+    tensors.update({"codes_a": codes, "codes_b": codes_b} if codes_b is not None else {"codes": codes})
+    shape = (out_features, in_features)
+    return dequantize(quantizer, lanes.unpack(quantizer, tensors, shape), shape).to(dtype)
+
+
+@torch.library.custom_op("qpalette::dense_weight", mutates_args=())
+def dense_weight(codes: torch.Tensor, codes_b: Optional[torch.Tensor], row_scale: torch.Tensor, quantizer: str,
+                 out_features: int, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """W_r (out × in) in `dtype` from the runtime (lane-major) tensors."""
+    return _dense_weight_reference(codes, codes_b, row_scale, quantizer, out_features, in_features, dtype)
+
+
+@dense_weight.register_kernel("cuda")
+def _(codes, codes_b, row_scale, quantizer, out_features, in_features, dtype):
+    if dtype not in KERNEL_DTYPES or not _kernels_ok():
+        return _dense_weight_reference(codes, codes_b, row_scale, quantizer, out_features, in_features, dtype)
+    spec, dev = kernel_spec(quantizer), codes.device
+    ext = kernel_build.extension(dev)
+    with torch.cuda.device(dev):
+        return ext.dequant(codes.contiguous(), codes_b.contiguous() if codes_b is not None else None, row_scale,
+                           lut(quantizer, dtype, dev), ext.FAMILY_CODES[spec.family], spec.p0, spec.p1,
+                           out_features, in_features, dtype, _stream(dev), _num_sms(dev))
+
+
+@dense_weight.register_fake
+def _(codes, codes_b, row_scale, quantizer, out_features, in_features, dtype):
+    return row_scale.new_empty((out_features, in_features), dtype=dtype)
+
+
+def _matmul_input_grad(ctx, grad: torch.Tensor) -> torch.Tensor:
+    codes, codes_b, row_scale = ctx.saved_tensors[-3:]
+    w = dense_weight(codes, codes_b, row_scale, ctx.quantizer, ctx.out_features, ctx.in_features, grad.dtype)
+    return grad @ w
+
+
+def _save_matmul(ctx, x, codes, codes_b, row_scale, quantizer, out_features, signs=None) -> None:
+    ctx.quantizer, ctx.out_features, ctx.in_features = quantizer, out_features, x.shape[-1]
+    ctx.save_for_backward(*([signs] if signs is not None else []), codes, codes_b, row_scale)
+
+
+def _rotate_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(inputs[1])
+
+
+def _rotate_backward(ctx, grad):
+    return rotate_transposed(grad, ctx.saved_tensors[0]), None
+
+
+def _qmm_setup(ctx, inputs, output) -> None:
+    _save_matmul(ctx, *inputs)
+
+
+def _qmm_backward(ctx, grad):
+    return _matmul_input_grad(ctx, grad), None, None, None, None, None
+
+
+def _rotated_qmm_setup(ctx, inputs, output) -> None:
+    x, signs, *rest = inputs
+    _save_matmul(ctx, x, *rest, signs=signs)
+
+
+def _rotated_qmm_backward(ctx, grad):
+    dx = rotate_transposed(_matmul_input_grad(ctx, grad), ctx.saved_tensors[0])
+    return dx, None, None, None, None, None, None
+
+
+_rotate_op.register_autograd(_rotate_backward, setup_context=_rotate_setup)
+_qmm_op.register_autograd(_qmm_backward, setup_context=_qmm_setup)
+_rotated_qmm_op.register_autograd(_rotated_qmm_backward, setup_context=_rotated_qmm_setup)
