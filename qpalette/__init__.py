@@ -1,8 +1,8 @@
 """qpalette: mixed-scheme weight quantization (NUQ, VQ, TCQ, half-TCQ) for causal LMs.
 
 The library API (qpalette.api, re-exported here) is what the `qpalette` command line calls:
-`calibrate`, `plan`, `compress`, `from_pretrained`, `load_model`, `generate`, `evaluate`, `bench`,
-`profile`, `palette`.
+`calibrate`, `hessians`, `plan` (`load_plan`, `describe_plan`), `compress`, `from_pretrained`, `load_model`,
+`generate`, `evaluate`, `bench`, `profile`, `palette`.
 
 Importing qpalette registers `quant_method: "qpalette"` with transformers, so that
 `AutoModelForCausalLM.from_pretrained(DIR)` loads checkpoints written by `qpalette compress`. The
@@ -16,10 +16,13 @@ from qpalette.api import (
     bench,
     calibrate,
     compress,
+    describe_plan,
     evaluate,
     from_pretrained,
     generate,
+    hessians,
     load_model,
+    load_plan,
     palette,
     plan,
     profile,
@@ -36,5 +39,5 @@ def register() -> None:
 
 wrapt.register_post_import_hook(lambda _transformers: register(), "transformers")
 
-__all__ = ["__version__", "bench", "calibrate", "compress", "evaluate", "from_pretrained", "generate", "load_model",
-           "palette", "plan", "profile", "register"]
+__all__ = ["__version__", "bench", "calibrate", "compress", "describe_plan", "evaluate", "from_pretrained", "generate",
+           "hessians", "load_model", "load_plan", "palette", "plan", "profile", "register"]

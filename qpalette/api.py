@@ -62,6 +62,16 @@ def calibrate(model: str, output: str | Path = "sens.json", *, devices: str = "a
     return run(opts, log=log)
 
 
+def hessians(model: str, output: str | Path, *, log: Log = _quiet, **options) -> dict:
+    """H = XᵀX/n of every quantized layer's input on calibration text, written to the folder
+    `output` for `compress(..., hessians=output)` (data-aware LDLQ, docs/method.md §7); returns the
+    manifest. `options` are the fields of `qpalette.calibration.hessians.HessianOptions` (text_file
+    or dataset, tokens, seq_len, batch_size, device, resume, progress)."""
+    from qpalette.calibration.hessians import HessianOptions, collect_hessians
+
+    return collect_hessians(HessianOptions(model=model, output=Path(output), **options), log=log)
+
+
 def plan(model: str | None, budget: str | list[str], *, sensitivity: str | Path | None, output: str | Path | None = None,
          plot: str | Path | None = None, **options):
     """The plan (docs/method.md §5) minimising predicted loss under `budget` ("3.25bits", "2.4GB",
@@ -108,7 +118,8 @@ def compress(model: str, plan_or_scheme: str | Path, out_dir: str | Path, *, log
 
     `plan_or_scheme`: a plan file from `plan`, or one palette entry for every layer ("tcq-3.0").
     `options` are the fields of `qpalette.compression.writer.CompressOptions` (fuse, device, resume,
-    overwrite, sign_seed, quiet, random_codes, lm_head)."""
+    overwrite, sign_seed, quiet, random_codes, lm_head, hessians: a folder from `hessians` for
+    data-aware LDLQ rounding, damp)."""
     from qpalette.compression.writer import CompressOptions
     from qpalette.compression.writer import compress as run
     from qpalette.quant.palette import get_quantizer

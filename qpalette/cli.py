@@ -121,6 +121,39 @@ def calibrate(
 
 
 @app.command()
+def hessians(
+    model: str = typer.Argument(
+        ..., help="Local HF model dir (safetensors), HF hub id, .gguf/.whl file, or 'smollm2-135m'."
+    ),
+    output: Path = typer.Option(..., "--output", "-o", help="Folder to write the Hessians to."),
+    text_file: Optional[Path] = typer.Option(None, "--text-file", help="Calibration text: a UTF-8 text file."),
+    dataset: Optional[str] = typer.Option(
+        None, help="Calibration text: a `datasets` NAME[:CONFIG[:SPLIT]], e.g. wikitext2."
+    ),
+    tokens: int = typer.Option(
+        0, "--tokens", help="Calibration tokens (0: 262144 on a GPU, 32768 on the CPU; an 8B model on a "
+        "GPU takes the default, on a CPU use 32768 or fewer)."
+    ),
+    seq_len: int = typer.Option(0, "--seq-len", help="Tokens per window (0: 2048, or the model's context)."),
+    batch_size: int = typer.Option(
+        0, "--batch-size", help="Windows per forward pass (0: 16K tokens on a GPU, 4K on the CPU)."
+    ),
+    device: str = typer.Option("auto", help="auto (GPU if present), cpu, cuda, cuda:1."),
+    resume: bool = typer.Option(False, "--resume", help="Finish an interrupted run into the same folder."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+) -> None:
+    """Input second moments H = XᵀX/n of every quantized layer on calibration text, one block at a
+    time, for `compress --hessians` (data-aware LDLQ rounding, docs/method.md §7)."""
+    doc = api.hessians(
+        model, output, text_file=str(text_file) if text_file else None, dataset=dataset, tokens=tokens,
+        seq_len=seq_len, batch_size=batch_size, device=device, resume=resume, progress=not quiet,
+        log=lambda m: typer.echo(m, err=True),
+    )
+    typer.echo(f"{len(doc['files'])} files, {doc['tokens']} tokens of {doc['source']}, {doc['seconds']:.1f} s on "
+               f"{doc['device']} → {output}")
+
+
+@app.command()
 def plan(
     model: Optional[str] = typer.Argument(
         None, help="Local HF model directory or its config.json (omit: shapes from --sensitivity)."
@@ -205,6 +238,10 @@ def compress(
         False, "--random-codes", hidden=True,
         help="Speed benchmarks of random-weight models only: random code words, no quantizing.",
     ),
+    hessians: Optional[Path] = typer.Option(
+        None, "--hessians", help="Data-aware: a folder from `qpalette hessians`; layers are rounded by LDLQ."
+    ),
+    damp: float = typer.Option(0.01, "--damp", help="With --hessians: LDLQ damping, a fraction of mean diag(H)."),
 ) -> None:
     """Rotate and quantize a model block by block into a checkpoint transformers loads
     (after `import qpalette`)."""
@@ -212,7 +249,7 @@ def compress(
         fail("give exactly one of --plan PLAN.json or --scheme ENTRY (e.g. tcq-3.0)")
     rep = api.compress(model, plan_file or scheme, output, fuse=fuse, device=device, resume=resume,
                        overwrite=overwrite, sign_seed=seed, quiet=quiet, random_codes=random_codes,
-                       lm_head=lm_head, log=lambda m: typer.echo(m, err=True))
+                       lm_head=lm_head, hessians=hessians, damp=damp, log=lambda m: typer.echo(m, err=True))
     by = rep["bytes"]
     typer.echo(
         f"wrote {output}: {by['total'] / 1e6:.2f} MB of tensors, {rep['avg_bits']:.3f} bits on "

@@ -54,8 +54,32 @@ class _Stop(Exception):
     """Raised by the capture hook to stop the forward pass at block 0."""
 
 
-def _block_output(out):
+def block_output(out):
+    """A decoder block's output hidden states (older transformers return a tuple)."""
     return out[0] if isinstance(out, tuple) else out
+
+
+def block_input(model, ids):
+    """(input of block 0, its keyword arguments without the KV cache) for one batch of token ids:
+    the model runs only up to block 0, whose weights are never read (they may be on the meta device)."""
+    box = {}
+
+    def hook(_mod, args, kwargs):
+        box["h"] = args[0] if args else kwargs.pop("hidden_states")
+        box["kw"] = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+        raise _Stop
+
+    handle = decoder_blocks(model)[0].register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        model.model(input_ids=ids, use_cache=False)
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    kw = box["kw"]
+    kw.pop("past_key_values", None)
+    kw["use_cache"] = False
+    return box["h"], kw
 
 
 class BlockEvaluator:
@@ -80,7 +104,7 @@ class BlockEvaluator:
     def prepare(self) -> None:
         """Embeddings + per-shape block kwargs, then one unperturbed pass for the references."""
         for chunk in self.chunks:
-            h, kw = self._capture(chunk.to(self.device))
+            h, kw = block_input(self.model, chunk.to(self.device))
             self.hidden.append(h)
             self.kwargs.setdefault(chunk.shape[0], kw)
         self.final = [self._run_blocks(0, h) for h in self.hidden]
@@ -88,31 +112,10 @@ class BlockEvaluator:
             self.ref_lp = [self._logprobs(h) for h in self.final]
             self.final = None
 
-    def _capture(self, ids):
-        """(input of block 0, its keyword arguments without the KV cache) for one chunk."""
-        box = {}
-
-        def hook(_mod, args, kwargs):
-            box["h"] = args[0] if args else kwargs.pop("hidden_states")
-            box["kw"] = {k: v for k, v in kwargs.items() if k != "hidden_states"}
-            raise _Stop
-
-        handle = self.blocks[0].register_forward_pre_hook(hook, with_kwargs=True)
-        try:
-            self.model.model(input_ids=ids, use_cache=False)
-        except _Stop:
-            pass
-        finally:
-            handle.remove()
-        kw = box["kw"]
-        kw.pop("past_key_values", None)
-        kw["use_cache"] = False
-        return box["h"], kw
-
     def _run_blocks(self, start: int, h):
         kw = self.kwargs[h.shape[0]]
         for blk in self.blocks[start:]:
-            h = _block_output(blk(h, **kw))
+            h = block_output(blk(h, **kw))
         return h
 
     def _logprobs(self, h):
@@ -128,7 +131,7 @@ class BlockEvaluator:
             raise ValueError("the block cache only moves forward")
         while self.block < block:
             j = self.block
-            self.hidden = [_block_output(self.blocks[j](h, **self.kwargs[h.shape[0]])) for h in self.hidden]
+            self.hidden = [block_output(self.blocks[j](h, **self.kwargs[h.shape[0]])) for h in self.hidden]
             self.block += 1
 
     @torch.no_grad()

@@ -1,5 +1,6 @@
 """One decoder block → its stored tensors: rotate each input group, quantize every layer (a fused
-group as one row-concatenated matrix); and the shard of everything outside the blocks."""
+group as one row-concatenated matrix), by nearest rounding or, given the Hessian of the layer's
+input, by LDLQ (quant/ldlq.py); and the shard of everything outside the blocks."""
 
 from __future__ import annotations
 
@@ -10,25 +11,35 @@ import torch
 from qpalette.compression.source import SourceCheckpoint
 from qpalette.models.topology import HEAD, LayerShape
 from qpalette.quant.codebooks import codebook
-from qpalette.quant.incoherence import pack_signs, random_signs, rotate_weight
+from qpalette.quant.incoherence import pack_signs, random_signs, rotate_hessian, rotate_weight
+from qpalette.quant.ldlq import DEFAULT_DAMP, ldl_feedback, ldlq
 from qpalette.quant.palette import get_quantizer
 from qpalette.runtime.checkpoint import CODEBOOKS_MODULE, Layout, parent_and_attr, sign_seed
 from qpalette.runtime.modules import buffer_name
 
 
-def quantize_matrix(w: torch.Tensor, quantizer: str, signs: torch.Tensor, device) -> dict[str, torch.Tensor]:
-    """Rotate (W·diag(s)·Hᵀ) and quantize one matrix; the stored tensors on CPU."""
+def quantize_matrix(w: torch.Tensor, quantizer: str, signs: torch.Tensor, device,
+                    hessian: torch.Tensor | None = None, damp: float = DEFAULT_DAMP
+                    ) -> dict[str, torch.Tensor]:
+    """Rotate (W·diag(s)·Hᵀ) and quantize one matrix; the stored tensors on CPU. With `hessian`
+    (XᵀX/n of its input, original basis), LDLQ under the same rotation with `damp`."""
     q = get_quantizer(quantizer)
-    qm = q.quantize(rotate_weight(w.to(device, torch.float32), signs.to(device)))
+    signs = signs.to(device)
+    w_r = rotate_weight(w.to(device, torch.float32), signs)
+    if hessian is None:
+        qm = q.quantize(w_r)
+    else:
+        h_r = rotate_hessian(hessian.to(device, torch.float32), signs)
+        qm = ldlq(q, w_r, ldl_feedback(h_r, q.block_cols, damp))
     return {k: v.cpu() for k, v in qm.tensors.items()}
 
 
-def _layer_tensors(w: torch.Tensor, quantizer: str, signs: torch.Tensor, device, random_seed: int | None
-                   ) -> dict[str, torch.Tensor]:
+def _layer_tensors(w: torch.Tensor, quantizer: str, signs: torch.Tensor, device, random_seed: int | None,
+                   hessian: torch.Tensor | None, damp: float) -> dict[str, torch.Tensor]:
     """Stored tensors of one matrix (a fused group row-concatenated); with `random_seed`, random
     code words at the matrix's row scales instead (speed benchmarks of random-weight models)."""
     if random_seed is None:
-        return quantize_matrix(w, quantizer, signs, device)
+        return quantize_matrix(w, quantizer, signs, device, hessian, damp)
     q = get_quantizer(quantizer)
     rms = w.float().pow(2).mean(1).sqrt() / q.row_target()
     return q.random_tensors(*w.shape, torch.Generator().manual_seed(random_seed), row_scale=rms)
@@ -36,8 +47,10 @@ def _layer_tensors(w: torch.Tensor, quantizer: str, signs: torch.Tensor, device,
 
 def quantize_block(src: SourceCheckpoint, block: int, layers: list[LayerShape], layout: Layout,
                    device, half: torch.dtype, on_layer: Callable[[str], None] = lambda n: None,
-                   random_codes: bool = False) -> dict[str, torch.Tensor]:
-    """All stored tensors of one decoder block."""
+                   random_codes: bool = False, hessians: dict[str, torch.Tensor] | None = None,
+                   damp: float = DEFAULT_DAMP) -> dict[str, torch.Tensor]:
+    """All stored tensors of one decoder block; `hessians` (input group → H, this block's) makes
+    its layers data-aware."""
     prefix = f"model.layers.{block}."
     mine = [l for l in layers if l.block == block and l.name != HEAD]
     out: dict[str, torch.Tensor] = {}
@@ -56,7 +69,9 @@ def quantize_block(src: SourceCheckpoint, block: int, layers: list[LayerShape], 
         w = torch.cat([src.get(f"{m}.weight").float() for m in members])
         target = gname or l.name
         seed = block * 16 + len(done) if random_codes else None
-        for k, v in _layer_tensors(w, layout.layers[l.name], signs[l.input_group], device, seed).items():
+        hessian = hessians[l.input_group] if hessians is not None else None
+        for k, v in _layer_tensors(w, layout.layers[l.name], signs[l.input_group], device, seed, hessian,
+                                   damp).items():
             out[f"{target}.{k}"] = v
         biases = [f"{m}.bias" for m in members if f"{m}.bias" in src.files]
         if biases:
@@ -78,9 +93,10 @@ def head_weight(src: SourceCheckpoint, cfg: dict) -> torch.Tensor:
 
 
 def other_tensors(src: SourceCheckpoint, cfg: dict, layout: Layout, device, half: torch.dtype,
-                  random_codes: bool = False) -> dict[str, torch.Tensor]:
+                  random_codes: bool = False, hessians: dict[str, torch.Tensor] | None = None,
+                  damp: float = DEFAULT_DAMP) -> dict[str, torch.Tensor]:
     """Embeddings, final norm, lm_head (16-bit unless tied; quantized when the layout names it,
-    with its own rotation) and the codebooks (fp16)."""
+    with its own rotation, data-aware with `hessians`["head"]) and the codebooks (fp16)."""
     out = {}
     quantized_head = HEAD in layout.layers
     for name in src.files:
@@ -96,7 +112,8 @@ def other_tensors(src: SourceCheckpoint, cfg: dict, layout: Layout, device, half
         signs = random_signs(w.shape[1], sign_seed(layout.sign_seed, blocks, "head"))
         out[f"{layout.rotation_of(HEAD)}.signs"] = pack_signs(signs)
         seed = blocks * 16 if random_codes else None
-        for k, v in _layer_tensors(w, layout.layers[HEAD], signs, device, seed).items():
+        hessian = hessians["head"] if hessians is not None else None
+        for k, v in _layer_tensors(w, layout.layers[HEAD], signs, device, seed, hessian, damp).items():
             out[f"{HEAD}.{k}"] = v
     for cb in layout.codebooks:
         out[f"{CODEBOOKS_MODULE}.{buffer_name(cb)}"] = codebook(cb).to(torch.float16)

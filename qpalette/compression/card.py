@@ -40,5 +40,14 @@ tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")
 - Tensor bytes: {by['total']:,} (codes + row scales {by['codes_and_row_scales']:,}, sign vectors
   {by['sign_vectors']:,}, codebooks {by['codebooks']:,}, unquantized modules {by['unquantized_modules']:,})
 - Written by qpalette {__version__}; format `qpalette.checkpoint/1` (see qpalette's docs/format.md).
+{_data_aware_line(report.get("data_aware"))}
 {"- **Random code words (`--random-codes`): for speed measurements only, the outputs are noise.**" if report.get("random_codes") else ""}
 """
+
+
+def _data_aware_line(data_aware: dict | None) -> str:
+    if not data_aware:
+        return "- Rounding: nearest code (data-free)"
+    h = data_aware["hessians"]
+    return (f"- Rounding: data-aware LDLQ, Hessians of {h['tokens']:,} tokens of {h['source']}, "
+            f"damping {data_aware['damp']} × mean diag(H)")

@@ -2,10 +2,11 @@
 
 Per decoder block: read its tensors from the source safetensors, rotate each input group's
 layers with one seeded sign vector, quantize every layer (a fused group as one row-concatenated
-matrix), write the block's shard. Everything goes into `OUT.partial/`, each file written
-atomically, with a progress manifest after every shard; the folder is renamed to OUT only when
-config.json, the index, tokenizer and model card are all written. So a killed run leaves no
-folder that looks complete, and `--resume` picks up at the first missing shard.
+matrix; by LDLQ with the block's Hessians under `--hessians`), write the block's shard.
+Everything goes into `OUT.partial/`, each file written atomically, with a progress manifest after
+every shard; the folder is renamed to OUT only when config.json, the index, tokenizer and model
+card are all written. So a killed run leaves no folder that looks complete, and `--resume` picks
+up at the first missing shard.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from qpalette.calibration.hessian_files import HessianSet, model_fingerprint
 from qpalette.compression.blocks import byte_breakdown, other_tensors, quantize_block
 from qpalette.compression.card import model_card
 from qpalette.compression.layout import check_shapes, layout_from_plan, layout_from_scheme
@@ -44,6 +46,7 @@ from qpalette.models.topology import (
 )
 from qpalette.planning.document import Plan
 from qpalette.progress import progress_bar
+from qpalette.quant.ldlq import DEFAULT_DAMP
 from qpalette.quant.palette import get_quantizer
 from qpalette.runtime.checkpoint import Layout
 from qpalette.runtime.integrity import shard_bytes
@@ -71,6 +74,8 @@ class CompressOptions:
     quiet: bool = False
     random_codes: bool = False  # speed benchmarks of random-weight models: skip the quantizer
     lm_head: bool = False  # with a scheme: quantize lm_head too (a plan says for itself)
+    hessians: Path | None = None  # a `qpalette hessians` folder: data-aware LDLQ instead of nearest rounding
+    damp: float = DEFAULT_DAMP  # LDLQ's damping, a fraction of the mean diagonal of H (with hessians)
 
 
 @dataclass
@@ -86,6 +91,7 @@ class Job:
     device: torch.device
     src: SourceCheckpoint
     out: Path
+    hessians: HessianSet | None = None
     started: float = field(default_factory=time.time)
 
     @property
@@ -99,10 +105,18 @@ class Job:
     @functools.cached_property
     def fingerprint(self) -> str:
         """What a resumed run must share with the run it continues (source files stat'ed once)."""
+        data_aware = {"hessians": self.hessians.digest, "damp": self.opts.damp} if self.hessians else {}
         return hashlib.sha256(json.dumps(
             {"layout": self.layout.to_config(), "source": self.src.fingerprint(), "device": self.device.type,
-             "version": __version__, "random_codes": self.opts.random_codes}, sort_keys=True).encode()
+             "version": __version__, "random_codes": self.opts.random_codes, **data_aware},
+            sort_keys=True).encode()
         ).hexdigest()[:16]
+
+    def data_aware(self) -> dict | None:
+        """How the layers were rounded when data-aware (None: nearest rounding, data-free)."""
+        if self.hessians is None:
+            return None
+        return {"method": "ldlq", "damp": self.opts.damp, "hessians": self.hessians.provenance()}
 
 
 def prepare_job(opts: CompressOptions) -> Job:
@@ -136,10 +150,27 @@ def prepare_job(opts: CompressOptions) -> Job:
                and not (l.name == HEAD and "model.embed_tokens.weight" in src.files)]
     if missing:
         raise CompressError(f"{src_dir}: weights missing from the checkpoint: {missing[:3]}")
+    hessians = open_hessians(opts, src, cfg, layers)
     out = Path(opts.output)
     if out.exists() and any(out.iterdir()) and not opts.overwrite:
         raise CompressError(f"{out} already exists and is not empty; pass --overwrite to replace it")
-    return Job(opts, src_dir, cfg, layers, layout, plan, device, src, out)
+    return Job(opts, src_dir, cfg, layers, layout, plan, device, src, out, hessians)
+
+
+def open_hessians(opts: CompressOptions, src: SourceCheckpoint, cfg: dict, layers: list[LayerShape]
+                  ) -> HessianSet | None:
+    """The --hessians folder, checked against the model and the layers to quantize; None without."""
+    if opts.hessians is None:
+        if opts.damp != DEFAULT_DAMP:
+            raise CompressError("--damp goes with --hessians (it damps LDLQ's Hessians)")
+        return None
+    if opts.random_codes:
+        raise CompressError("--hessians and --random-codes exclude each other")
+    if not opts.damp >= 0:
+        raise CompressError(f"--damp {opts.damp}: the damping must be ≥ 0 (default {DEFAULT_DAMP})")
+    hessians = HessianSet(opts.hessians)
+    hessians.check(model_fingerprint(src, cfg), layers, cfg["num_hidden_layers"])
+    return hessians
 
 
 def save_manifest(job: Job, done: dict[str, dict], seconds: float) -> None:
@@ -177,11 +208,15 @@ def shard_name(i: int, n: int) -> str:
 
 def shard_tensors(job: Job, i: int, on_layer: Callable[[str], None]) -> dict[str, torch.Tensor]:
     """Shard i: decoder block i, or (the last one) everything outside the blocks."""
-    half = half_dtype(job.cfg)
-    if i < job.n_shards - 1:
+    half, last = half_dtype(job.cfg), i == job.n_shards - 1
+    hessians = None
+    if job.hessians is not None and (not last or HEAD in job.layout.layers):
+        hessians = job.hessians.load(i)  # block i's, or lm_head's for the last shard
+    if not last:
         return quantize_block(job.src, i, job.layers, job.layout, job.device, half, on_layer,
-                              job.opts.random_codes)
-    return other_tensors(job.src, job.cfg, job.layout, job.device, half, job.opts.random_codes)
+                              job.opts.random_codes, hessians, job.opts.damp)
+    return other_tensors(job.src, job.cfg, job.layout, job.device, half, job.opts.random_codes, hessians,
+                         job.opts.damp)
 
 
 def write_shards(job: Job, done: dict[str, dict], prior_s: float) -> tuple[dict[str, str], dict[str, int]]:
@@ -240,6 +275,7 @@ def make_report(job: Job, totals: dict[str, int], prior_s: float) -> dict:
         "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "resumed": prior_s > 0,
         "random_codes": opts.random_codes,
+        "data_aware": job.data_aware(),
     }
     if job.plan is not None:
         predicted = job.plan.totals.get("bytes") or {}
@@ -258,7 +294,10 @@ def finish(job: Job, weight_map: dict[str, str], report: dict) -> None:
     atomic_write_json(partial / "model.safetensors.index.json",
                       {"metadata": {"total_size": report["bytes"]["total"]}, "weight_map": weight_map})
     new_cfg = json.loads((job.src_dir / "config.json").read_text())
-    new_cfg["quantization_config"] = job.layout.to_config({"random_codes": True} if job.opts.random_codes else None)
+    extra = {"random_codes": True} if job.opts.random_codes else {}
+    if report["data_aware"] is not None:
+        extra["data_aware"] = report["data_aware"]
+    new_cfg["quantization_config"] = job.layout.to_config(extra or None)
     new_cfg["dtype"] = str(half_dtype(job.cfg)).removeprefix("torch.")
     new_cfg["model_type"] = CHECKPOINT_TYPE_PREFIX + base_model_type(job.cfg)  # plain transformers refuses it
     if HEAD in job.layout.layers:  # the embedding stays 16-bit: a quantized head cannot share it

@@ -28,6 +28,14 @@ def unrotate_weight(w_r: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     return hadamard_transform(w_r.float(), transpose=True) * signs.to(w_r.device)
 
 
+def rotate_hessian(h: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """R H Rᵀ for the R = H_n · diag(s) of `rotate_weight` (W_r = W Rᵀ): the input second moment
+    E[x xᵀ] seen by W_r, whose inputs are R x. Proxy losses tr(E H Eᵀ) are the same in both bases."""
+    hr = rotate_weight(h, signs)  # H Rᵀ
+    hr = rotate_weight(hr.T, signs)  # R H Rᵀ (H symmetric)
+    return (hr + hr.T) / 2
+
+
 def rotate_input(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """The online transform applied to activations: H(s ⊙ x) over the last dim."""
     return hadamard_transform(x * signs.to(x.device, x.dtype))

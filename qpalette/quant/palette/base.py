@@ -3,6 +3,11 @@
 Quantizers work in the rotated domain (incoherence processing is done by the caller, since
 fused layers share one rotation) and own the per-row scaling of docs/method.md §1–§2: each row is
 divided by RMS(row)/target, the scale stored in fp16 and multiplied back by dequantize.
+
+Coding is split in two so that LDLQ (qpalette/quant/ldlq.py) can code a matrix a few columns at a
+time: `code_columns` rounds a slice of `block_cols`-wide column blocks to raw codes and their
+reconstruction, `pack` turns the raw codes of the whole matrix into the stored tensors. The
+data-free `encode` is the two applied to the whole matrix at once.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ class Quantizer(ABC):
     bits: float
     #: codebook names (profiles/codebooks.safetensors) this entry reads
     codebooks: tuple[str, ...]
+    #: input columns coded jointly, LDLQ's block: a weight (NUQ), a pair (VQ), a 16-wide tile column (trellis)
+    block_cols: int
 
     @property
     def name(self) -> str:
@@ -94,15 +101,28 @@ class Quantizer(ABC):
         """RMS each row is scaled to before coding."""
 
     @abstractmethod
+    def code_columns(self, x: torch.Tensor, start: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(raw codes, reconstruction) of x = X[:, start:start + k], whole `block_cols` blocks of a
+        row-normalised rows × cols matrix X, each block rounded to its nearest code. Raw codes keep
+        the column blocks along dim 1, so the codes of consecutive slices concatenate
+        (torch.cat(dim=1)) into the matrix's, which `pack` stores."""
+
+    @abstractmethod
+    def pack(self, codes: torch.Tensor, shape: tuple[int, int]) -> dict[str, torch.Tensor]:
+        """The stored code tensors of a rows × cols matrix from the raw codes of all its columns."""
+
     def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Codes for a row-normalised matrix x (rows × cols, float32)."""
+        """Codes for a row-normalised matrix x (rows × cols, float32): nearest rounding."""
+        return self.pack(self.code_columns(x, 0, x.shape[1])[0], tuple(x.shape))
 
     @abstractmethod
     def decode(self, tensors: dict[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
         """Row-normalised reconstruction (float32) from the code tensors."""
 
-    def quantize(self, w: torch.Tensor, row_scale: torch.Tensor | None = None) -> QuantizedMatrix:
-        """Quantize w (rows × cols) on its own device; `row_scale` reuses given fp16 scales."""
+    def normalise(self, w: torch.Tensor, row_scale: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w with each row divided by its scale, the fp16 row scales): the scales are RMS(row)/target
+        unless given; an all-zero row keeps scale 0 and stays zero."""
         rows, cols = w.shape
         self.check_shape(rows, cols)
         w = w.float()
@@ -111,9 +131,14 @@ class Quantizer(ABC):
             row_scale = (rms / self.row_target()).to(torch.float16)
         scale = row_scale.to(w.device, torch.float32)
         x = w / torch.where(scale == 0, torch.ones_like(scale), scale).unsqueeze(1)
+        return x, row_scale.to(w.device, torch.float16)
+
+    def quantize(self, w: torch.Tensor, row_scale: torch.Tensor | None = None) -> QuantizedMatrix:
+        """Quantize w (rows × cols) on its own device; `row_scale` reuses given fp16 scales."""
+        x, row_scale = self.normalise(w, row_scale)
         tensors = self.encode(x)
-        tensors["row_scale"] = row_scale.to(w.device, torch.float16)
-        return QuantizedMatrix(self.name, (rows, cols), tensors)
+        tensors["row_scale"] = row_scale
+        return QuantizedMatrix(self.name, tuple(w.shape), tensors)
 
     def dequantize(self, q: QuantizedMatrix) -> torch.Tensor:
         if q.quantizer != self.name:

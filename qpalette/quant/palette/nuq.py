@@ -12,6 +12,7 @@ from qpalette.quant.tiles import from_tiles, to_tiles
 
 class NUQ(Quantizer):
     family = "nuq"
+    block_cols = 1
 
     def __init__(self, bits: int):
         self.bits = float(bits)
@@ -24,10 +25,14 @@ class NUQ(Quantizer):
     def levels(self, device: torch.device) -> torch.Tensor:
         return codebook(self.codebooks[0]).to(device)
 
-    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    def code_columns(self, x: torch.Tensor, start: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Level index of each weight (rows × k) and the level."""
         lv = self.levels(x.device)
-        codes = torch.bucketize(to_tiles(x), (lv[1:] + lv[:-1]) / 2)
-        return {"codes": pack_codes(codes, self.width)}
+        codes = torch.bucketize(x.contiguous(), (lv[1:] + lv[:-1]) / 2)
+        return codes, lv[codes]
+
+    def pack(self, codes: torch.Tensor, shape: tuple[int, int]) -> dict[str, torch.Tensor]:
+        return {"codes": pack_codes(to_tiles(codes), self.width)}
 
     def decode(self, tensors: dict[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
         codes = tensors["codes"]

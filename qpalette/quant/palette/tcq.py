@@ -20,6 +20,7 @@ ROW_RMS_FRACTION = 0.9  # rows scaled to 0.9 × RMS(LUT) (docs/method.md §2)
 
 class TCQ(Quantizer):
     family = "tcq"
+    block_cols = TILE
 
     def __init__(self, bits: float, table_q: int | None = None):
         self.bits = float(bits)
@@ -33,11 +34,17 @@ class TCQ(Quantizer):
     def row_target(self) -> float:
         return ROW_RMS_FRACTION * float(codebook(self.codebooks[0]).pow(2).mean().sqrt())
 
-    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    def code_columns(self, x: torch.Tensor, start: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tail-biting Viterbi path of every tile ((rows/16) × (k/16) × 128 states) and its values."""
         t = to_tiles(x)
-        paths = quantize_tiles(t.reshape(-1, t.shape[-1]), self.table(x.device), self.kv)
-        words = pack_bits(paths_to_stream(paths, self.kv))
-        return {"codes": words.reshape(*t.shape[:-1], -1)}
+        table = self.table(x.device)
+        paths = quantize_tiles(t.reshape(-1, t.shape[-1]), table, self.kv).reshape(*t.shape[:-1], -1)
+        values = state_values(table)[paths]
+        return paths, from_tiles(values.reshape(*t.shape[:-1], -1))
+
+    def pack(self, codes: torch.Tensor, shape: tuple[int, int]) -> dict[str, torch.Tensor]:
+        words = pack_bits(paths_to_stream(codes.reshape(-1, codes.shape[-1]), self.kv))
+        return {"codes": words.reshape(*codes.shape[:-1], -1)}
 
     def decode(self, tensors: dict[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
         codes = tensors["codes"]
@@ -48,6 +55,7 @@ class TCQ(Quantizer):
 
 class HalfTCQ(Quantizer):
     family = "half-tcq"
+    block_cols = TILE
 
     def __init__(self, bits: float):
         self.bits = float(bits)
@@ -71,11 +79,18 @@ class HalfTCQ(Quantizer):
     def row_target(self) -> float:
         return self.halves[1].row_target()
 
-    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        mid = x.shape[1] // 2
+    def code_columns(self, x: torch.Tensor, start: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """TCQ paths as `TCQ.code_columns`, each tile column coded by the half of X it lies in."""
+        split = min(max(cols // 2 - start, 0), x.shape[1])  # columns of x in the first half
+        parts = [h.code_columns(p, 0, p.shape[1]) for h, p in zip(self.halves, (x[:, :split], x[:, split:]))
+                 if p.shape[1]]
+        return torch.cat([c for c, _ in parts], dim=1), torch.cat([v for _, v in parts], dim=1)
+
+    def pack(self, codes: torch.Tensor, shape: tuple[int, int]) -> dict[str, torch.Tensor]:
+        half, mid = (shape[0], shape[1] // 2), shape[1] // (2 * TILE)
         return {
-            "codes_a": self.halves[0].encode(x[:, :mid])["codes"],
-            "codes_b": self.halves[1].encode(x[:, mid:])["codes"],
+            "codes_a": self.halves[0].pack(codes[:, :mid], half)["codes"],
+            "codes_b": self.halves[1].pack(codes[:, mid:], half)["codes"],
         }
 
     def decode(self, tensors: dict[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:

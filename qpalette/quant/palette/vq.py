@@ -12,6 +12,7 @@ from qpalette.quant.tiles import from_tiles, to_tiles
 
 class VQ(Quantizer):
     family = "vq"
+    block_cols = 2
 
     def __init__(self, bits: float):
         self.bits = float(bits)
@@ -24,11 +25,15 @@ class VQ(Quantizer):
     def centroids(self, device: torch.device) -> torch.Tensor:
         return codebook(self.codebooks[0]).to(device)
 
-    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        t = to_tiles(x)
-        pairs = t.reshape(-1, 2)
-        codes = nearest(pairs, self.centroids(x.device)).reshape(*t.shape[:-1], -1)
-        return {"codes": pack_codes(codes, self.width)}
+    def code_columns(self, x: torch.Tensor, start: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Centroid index of each horizontal pair (rows × k/2) and the centroids (rows × k)."""
+        c = self.centroids(x.device)
+        codes = nearest(x.reshape(-1, 2), c).reshape(x.shape[0], -1)
+        return codes, c[codes].reshape(x.shape)
+
+    def pack(self, codes: torch.Tensor, shape: tuple[int, int]) -> dict[str, torch.Tensor]:
+        spread = codes.repeat_interleave(2, dim=1)  # both weights of a pair carry its code
+        return {"codes": pack_codes(to_tiles(spread)[..., ::2], self.width)}
 
     def decode(self, tensors: dict[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
         codes = tensors["codes"]
