@@ -42,9 +42,42 @@ app = typer.Typer(
 )
 
 
+def _show_version(value: bool) -> None:
+    if value:
+        from qpalette.version import __version__
+
+        typer.echo(f"qpalette {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_show_version, is_eager=True,
+                                 help="Print qpalette's version and exit."),
+) -> None:
     """Mixed-scheme weight quantization for Hugging Face causal LMs."""
+
+
+JSON_HELP = "Also write the result as JSON to this file ('-': to standard output, the text to stderr)."
+
+
+def _say(json_out: Path | None):
+    """Where a command's text goes: stderr when its JSON takes standard output."""
+    return lambda m, nl=True: typer.echo(m, nl=nl, err=str(json_out) == "-")
+
+
+def _write_json(json_out: Path | None, doc) -> None:
+    """--json FILE, the same in every command: the result as JSON ('-': standard output)."""
+    if json_out is None:
+        return
+    if str(json_out) == "-":
+        json.dump(doc, sys.stdout, indent=1)
+        typer.echo()
+        return
+    from qpalette.fileio import atomic_write_json
+
+    atomic_write_json(json_out, doc)
+    typer.echo(f"wrote {json_out}", err=True)
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -55,7 +88,7 @@ def fail(message: str, code: int = 2) -> None:
 
 @app.command()
 def palette(
-    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help=JSON_HELP),
     family: Optional[list[str]] = typer.Option(
         None, "--family", "-f", help="Only these families (nuq, vq, tcq, half-tcq); repeatable."
     ),
@@ -71,14 +104,12 @@ def palette(
     """List the quantizer palette with its distortion on Gaussian data vs the 2^(-2b) bound."""
     rows_out = api.palette(tuple(f.lower() for f in family) if family else None, measure=measure, rows=rows,
                            cols=cols, device=device, seed=seed, write=write,
-                           log=(lambda m: None) if as_json else (lambda m: typer.echo(m, err=True)))
-    if as_json:
-        json.dump([asdict(r) for r in rows_out], sys.stdout, indent=1)
-        typer.echo()
-        return
-    typer.echo(f"{'entry':>14} {'bits':>5} {'nmse':>9} {'2^-2b':>9} {'gap dB':>7}")
+                           log=lambda m: typer.echo(m, err=True))
+    say = _say(json_out)
+    say(f"{'entry':>14} {'bits':>5} {'nmse':>9} {'2^-2b':>9} {'gap dB':>7}")
     for r in rows_out:
-        typer.echo(f"{r.name:>14} {r.bits:5.2f} {r.nmse:9.5f} {r.rd_bound:9.5f} {r.gap_db:7.2f}")
+        say(f"{r.name:>14} {r.bits:5.2f} {r.nmse:9.5f} {r.rd_bound:9.5f} {r.gap_db:7.2f}")
+    _write_json(json_out, [asdict(r) for r in rows_out])
 
 
 @app.command()
@@ -98,6 +129,10 @@ def calibrate(
     directions: str = typer.Option(
         "shared", help="shared: one noise direction per layer scaled over the levels; fresh: one per level."
     ),
+    loss: str = typer.Option(
+        "auto", help="auto: KL to the original on its own samples (data-free), next-token cross-entropy "
+        "on the text (data-aware); kl; ce."
+    ),
     seed: int = typer.Option(0, help="Seed of the sampled sequences and of the noise."),
     device: str = typer.Option("auto", help="auto (all GPUs, else CPU), cpu, cuda, cuda:0,cuda:1 ..."),
     batch_size: int = typer.Option(0, "--batch-size", help="Sequences per forward pass (0: automatic)."),
@@ -106,12 +141,12 @@ def calibrate(
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run of OUTPUT."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
-    """Per-layer sensitivity a_l (linearity theorem, docs/method.md §4): noise injection + KL fit."""
+    """Per-layer sensitivity a_l (linearity theorem, docs/method.md §4): noise injection + loss fit."""
     doc = api.calibrate(
         model, output, devices=device, num_seqs=num_seqs, seq_len=seq_len, levels=levels, t_max=t_max,
         seed=seed, batch_size=batch_size, dtype=dtype, dataset=dataset,
         text_file=str(text_file) if text_file else None, layers=layers, resume=resume, progress=not quiet,
-        directions=directions, log=lambda m: typer.echo(m, err=True),
+        directions=directions, loss=loss, log=lambda m: typer.echo(m, err=True),
     )
     t = doc["timing"]
     typer.echo(
@@ -242,6 +277,7 @@ def compress(
         None, "--hessians", help="Data-aware: a folder from `qpalette hessians`; layers are rounded by LDLQ."
     ),
     damp: float = typer.Option(0.01, "--damp", help="With --hessians: LDLQ damping, a fraction of mean diag(H)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help=JSON_HELP),
 ) -> None:
     """Rotate and quantize a model block by block into a checkpoint transformers loads
     (after `import qpalette`)."""
@@ -251,16 +287,18 @@ def compress(
                        overwrite=overwrite, sign_seed=seed, quiet=quiet, random_codes=random_codes,
                        lm_head=lm_head, hessians=hessians, damp=damp, log=lambda m: typer.echo(m, err=True))
     by = rep["bytes"]
-    typer.echo(
+    say = _say(json_out)
+    say(
         f"wrote {output}: {by['total'] / 1e6:.2f} MB of tensors, {rep['avg_bits']:.3f} bits on "
         f"average, {rep['wall_time_s']:.1f} s on {rep['device']}"
     )
     if rep.get("plan_predicted_bytes"):
-        typer.echo("tensor bytes equal the plan's prediction")
-    typer.echo(
+        say("tensor bytes equal the plan's prediction")
+    say(
         "load it with:  import qpalette; AutoModelForCausalLM.from_pretrained(...)  (without "
         "`import qpalette` transformers refuses its model type)"
     )
+    _write_json(json_out, rep)
 
 
 @app.command("eval")
@@ -290,7 +328,7 @@ def eval_(
     seed: int = typer.Option(0, help="Seed of the sampled sequences."),
     device: str = typer.Option("auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N."),
     dtype: str = typer.Option("auto", help="auto (cpu float32, cuda float16), float32, float16, bfloat16."),
-    json_out: Path | None = typer.Option(None, "--json", help="Also write the result to this JSON file."),
+    json_out: Path | None = typer.Option(None, "--json", help=JSON_HELP),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
 ) -> None:
     """Perplexity over non-overlapping --ctx windows (GPTQ protocol) and/or data-free KL to a reference.
@@ -301,14 +339,12 @@ def eval_(
 
       qpalette eval compressed_dir --text-file wiki.test.raw --kl-to smollm2-135m --json eval.json
     """
-    api.evaluate(
+    result = api.evaluate(
         model, dataset=dataset, text_file=str(text_file) if text_file else None, ctx=ctx,
         max_windows=max_windows, batch_size=batch_size, kl_to=kl_to, kl_seqs=kl_seqs, kl_len=kl_len,
-        seed=seed, device=device, dtype=dtype, json_out=str(json_out) if json_out else None,
-        progress=not quiet, log=typer.echo,
+        seed=seed, device=device, dtype=dtype, progress=not quiet, log=_say(json_out),
     )
-    if json_out:
-        typer.echo(f"wrote {json_out}")
+    _write_json(json_out, result)
 
 
 @app.command()
@@ -326,7 +362,7 @@ def generate(
     batch: int = typer.Option(1, "--batch", "-b", help="Run every prompt this many times (samples differ)."),
     device: str = typer.Option("auto", help="auto (cuda if available), cpu, cuda, cuda:N."),
     graphs: bool = typer.Option(True, "--graphs/--no-graphs", help="Replay decode steps as CUDA graphs (on a GPU)."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write texts and timings to this JSON file."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help=JSON_HELP),
 ) -> None:
     """Generate text with qpalette's decoder: static KV cache, decode steps replayed as CUDA graphs,
     the next token chosen on the GPU. Works for original and compressed models alike; one prompt
@@ -336,28 +372,27 @@ def generate(
     prompts = [p for p in prompt for _ in range(batch)]
     stream = len(prompts) == 1
 
+    say = _say(json_out)
+
     def show(i: int, piece: str) -> None:
-        typer.echo(piece, nl=False)
+        say(piece, nl=False)
 
     out = api.generate(model, None, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                        top_p=top_p, seed=seed, chat=chat, device=device, on_text=show if stream else None,
                        graphs=graphs)
     if stream:
-        typer.echo()
+        say("")
     else:
         for i, text in enumerate(out.texts):
-            typer.echo(f"--- {i}: {prompts[i]!r}\n{text}")
+            say(f"--- {i}: {prompts[i]!r}\n{text}")
     r = out.result
     typer.echo(f"prefill {r.prefill_s * 1e3:.1f} ms; {r.steps} decode steps at {r.decode_tok_per_s:.1f} tok/s per "
                f"sequence ({r.decode_tok_per_s * len(prompts):.1f} total); host {r.host_step_s * 1e3:.3f} ms a step; "
                f"CUDA graphs {'on' if r.graphs else 'off'}", err=True)
-    if json_out:
-        from qpalette.fileio import atomic_write_json
-
-        atomic_write_json(json_out, {"format": "qpalette.generate/1", "prompts": prompts, "texts": out.texts,
-                                     "tokens": out.tokens, "finished": r.finished, "prefill_s": r.prefill_s,
-                                     "decode_s": r.decode_s, "steps": r.steps, "host_step_s": r.host_step_s,
-                                     "cuda_graphs": r.graphs})
+    _write_json(json_out, {"format": "qpalette.generate/1", "prompts": prompts, "texts": out.texts,
+                           "tokens": out.tokens, "finished": r.finished, "prefill_s": r.prefill_s,
+                           "decode_s": r.decode_s, "steps": r.steps, "host_step_s": r.host_step_s,
+                           "cuda_graphs": r.graphs})
 
 
 @app.command()
@@ -375,15 +410,15 @@ def bench(
         help="How generate and the loop compile: default (transformers' reduce-overhead), lean (without "
         "dynamo's guards on module state), or both: default,lean.",
     ),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the result to this JSON file."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help=JSON_HELP),
 ) -> None:
     """Decode tokens/s three ways, side by side: qpalette's decoder (what `qpalette generate`
     runs), transformers' generate (static cache, compiled) and the compiled forward loop (the
     GPU's time per token). The same harness for original and compressed models."""
     modes = tuple(m.strip() for m in compile_modes.split(",") if m.strip())
-    api.bench(model, batch_sizes=tuple(_int_list(batch_sizes, "--batch-sizes")), prompt_len=prompt_len,
-              gen_len=gen_len, device=device, compile=compile, compile_modes=modes, json_out=json_out,
-              log=typer.echo)
+    result = api.bench(model, batch_sizes=tuple(_int_list(batch_sizes, "--batch-sizes")), prompt_len=prompt_len,
+                       gen_len=gen_len, device=device, compile=compile, compile_modes=modes, log=_say(json_out))
+    _write_json(json_out, result)
 
 
 @app.command()
