@@ -129,10 +129,6 @@ def calibrate(
     directions: str = typer.Option(
         "shared", help="shared: one noise direction per layer scaled over the levels; fresh: one per level."
     ),
-    loss: str = typer.Option(
-        "auto", help="auto: KL to the original on its own samples (data-free), next-token cross-entropy "
-        "on the text (data-aware); kl; ce."
-    ),
     seed: int = typer.Option(0, help="Seed of the sampled sequences and of the noise."),
     device: str = typer.Option("auto", help="auto (all GPUs, else CPU), cpu, cuda, cuda:0,cuda:1 ..."),
     batch_size: int = typer.Option(0, "--batch-size", help="Sequences per forward pass (0: automatic)."),
@@ -146,7 +142,7 @@ def calibrate(
         model, output, devices=device, num_seqs=num_seqs, seq_len=seq_len, levels=levels, t_max=t_max,
         seed=seed, batch_size=batch_size, dtype=dtype, dataset=dataset,
         text_file=str(text_file) if text_file else None, layers=layers, resume=resume, progress=not quiet,
-        directions=directions, loss=loss, log=lambda m: typer.echo(m, err=True),
+        directions=directions, log=lambda m: typer.echo(m, err=True),
     )
     t = doc["timing"]
     typer.echo(
