@@ -14,6 +14,30 @@ def run_compress(src, out, **kw) -> dict:
     return compress(CompressOptions(model=str(src), output=Path(out), quiet=True, **kw), log=lambda m: None)
 
 
+class Killed(BaseException):
+    """What a kill looks like to the run: it stops where it is."""
+
+
+def compress_killed_at_second_shard(src, out, monkeypatch, **kw) -> None:
+    """run_compress(src, out, **kw) stopped as if killed while writing its second shard."""
+    import pytest
+
+    from qpalette.compression import writer
+
+    real, calls = writer.shard_tensors, []
+
+    def killed_at_second_shard(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise Killed
+        return real(*args)
+
+    with monkeypatch.context() as m:
+        m.setattr(writer, "shard_tensors", killed_at_second_shard)
+        with pytest.raises(Killed):
+            run_compress(src, out, **kw)
+
+
 def fake_sensitivity(model_dir, path):
     from qpalette.models.topology import linear_layers, load_config
 

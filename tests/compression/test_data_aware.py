@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from helpers import run_compress
+from helpers import compress_killed_at_second_shard, run_compress
 from safetensors.torch import load_file
 from tiny_llama import make_tiny_llama
 from typer.testing import CliRunner
@@ -15,7 +15,6 @@ from typer.testing import CliRunner
 import qpalette
 from qpalette.calibration.hessians import HessianOptions, collect_hessians
 from qpalette.cli import app
-from qpalette.compression import writer
 from qpalette.errors import CompressError
 from qpalette.quant.ldlq import proxy_loss
 from qpalette.runtime.checkpoint import simulated_weights
@@ -78,25 +77,11 @@ def test_data_aware_checkpoint_runs_and_lowers_every_layers_loss(model_and_hessi
         assert aware[name] < 0.9 * free[name], (name, aware[name], free[name])
 
 
-class Killed(BaseException):
-    """What a kill looks like to the run: it stops where it is."""
-
 
 def test_resume_with_hessians_gives_identical_shards(model_and_hessians, tmp_path, monkeypatch):
     src, hessians = model_and_hessians
     run_compress(src, tmp_path / "whole", scheme="vq-2.0", hessians=hessians)
-    real, calls = writer.shard_tensors, []
-
-    def killed_at_second_shard(*args):
-        calls.append(1)
-        if len(calls) == 2:
-            raise Killed
-        return real(*args)
-
-    with monkeypatch.context() as m:
-        m.setattr(writer, "shard_tensors", killed_at_second_shard)
-        with pytest.raises(Killed):
-            run_compress(src, tmp_path / "killed", scheme="vq-2.0", hessians=hessians)
+    compress_killed_at_second_shard(src, tmp_path / "killed", monkeypatch, scheme="vq-2.0", hessians=hessians)
     with pytest.raises(CompressError, match="other settings"):
         run_compress(src, tmp_path / "killed", scheme="vq-2.0", hessians=hessians, damp=0.1, resume=True)
     with pytest.raises(CompressError, match="other settings"):

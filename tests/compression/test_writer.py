@@ -8,14 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import fake_sensitivity, run_compress
+from helpers import compress_killed_at_second_shard, fake_sensitivity, run_compress
 from safetensors import safe_open
 from tiny_llama import make_tiny_llama
 from typer.testing import CliRunner
 
 import qpalette
 from qpalette.cli import app
-from qpalette.compression import writer
 from qpalette.errors import CheckpointError, CompressError
 from qpalette.runtime.checkpoint import simulated_weights
 
@@ -156,24 +155,10 @@ def test_dtype_casts_keep_fp16_buffers(tiny_llama_dir, tmp_path):
         assert sd["qpalette_codebooks.nuq_3"].dtype == torch.float16
 
 
-class Killed(BaseException):
-    """What a kill looks like to the run: it stops where it is."""
-
 
 def test_resume_after_kill_gives_identical_shards(one_block_dir, tmp_path, monkeypatch):
     run_compress(one_block_dir, tmp_path / "whole", scheme="tcq-1.5")
-    real, calls = writer.shard_tensors, []
-
-    def killed_at_second_shard(*args):
-        calls.append(1)
-        if len(calls) == 2:
-            raise Killed
-        return real(*args)
-
-    with monkeypatch.context() as m:
-        m.setattr(writer, "shard_tensors", killed_at_second_shard)
-        with pytest.raises(Killed):
-            run_compress(one_block_dir, tmp_path / "killed", scheme="tcq-1.5")
+    compress_killed_at_second_shard(one_block_dir, tmp_path / "killed", monkeypatch, scheme="tcq-1.5")
     partial = tmp_path / "killed.partial"
     assert partial.is_dir() and not (tmp_path / "killed").exists()
     assert not (partial / "config.json").exists()  # nothing looks complete
