@@ -23,6 +23,7 @@ from qpalette.api import (
     hessians,
     load_model,
     load_plan,
+    loss_table,
     palette,
     plan,
     profile,
@@ -40,4 +41,4 @@ def register() -> None:
 wrapt.register_post_import_hook(lambda _transformers: register(), "transformers")
 
 __all__ = ["__version__", "bench", "calibrate", "compress", "describe_plan", "evaluate", "from_pretrained", "generate",
-           "hessians", "load_model", "load_plan", "palette", "plan", "profile", "register"]
+           "hessians", "load_model", "load_plan", "loss_table", "palette", "plan", "profile", "register"]

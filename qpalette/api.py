@@ -72,17 +72,29 @@ def hessians(model: str, output: str | Path, *, log: Log = _quiet, **options) ->
     return collect_hessians(HessianOptions(model=model, output=Path(output), **options), log=log)
 
 
-def plan(model: str | None, budget: str | list[str], *, sensitivity: str | Path | None, output: str | Path | None = None,
-         plot: str | Path | None = None, **options):
+def loss_table(model: str, output: str | Path, *, log: Log = _quiet, **options) -> dict:
+    """The measured loss terms of docs/method.md §8 (each layer alone quantized by each entry, the
+    increase of cross-entropy on calibration text), written to `output` for
+    `plan(..., loss_table=output)`; returns the table. `options` are the fields of
+    `qpalette.calibration.loss_table.LossTableOptions` (text_file or dataset, entries, hessians,
+    damp, base, tokens, seq_len, batch_size, device, layers, resume, progress)."""
+    from qpalette.calibration.loss_table import LossTableOptions, build_loss_table
+
+    return build_loss_table(LossTableOptions(model=model, output=Path(output), **options), log=log)
+
+
+def plan(model: str | None, budget: str | list[str], *, sensitivity: str | Path | None = None,
+         output: str | Path | None = None, plot: str | Path | None = None, **options):
     """The plan (docs/method.md §5) minimising predicted loss under `budget` ("3.25bits", "2.4GB",
     "200tok/s"; a list or comma list combines them); written to `output` (and a bits-per-layer PNG to
-    `plot`) when given. `options`: latency_profile, distortion, palette, fuse, batch_size, time_limit_s,
-    lm_head ("auto", "quantize", "keep")."""
+    `plot`) when given. `options`: loss_table (a `loss_table` file whose measured losses replace
+    a_l·err(q); `sensitivity` is then optional), latency_profile, distortion, palette, fuse,
+    batch_size, time_limit_s, lm_head ("auto", "quantize", "keep")."""
     from qpalette.planning.document import plot_plan, write_plan
     from qpalette.planning.planner import plan as make
 
     budgets = [budget] if isinstance(budget, str) else list(budget)
-    for key in ("latency_profile", "distortion"):
+    for key in ("latency_profile", "distortion", "loss_table"):
         if options.get(key) is not None:
             options[key] = str(options[key])
     result = make(model, budgets, sensitivity=None if sensitivity is None else str(sensitivity), **options)

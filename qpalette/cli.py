@@ -129,6 +129,10 @@ def calibrate(
     directions: str = typer.Option(
         "shared", help="shared: one noise direction per layer scaled over the levels; fresh: one per level."
     ),
+    loss: str = typer.Option(
+        "auto", help="auto: KL to the original on its own samples (data-free), next-token cross-entropy "
+        "on the text (data-aware); kl; ce."
+    ),
     seed: int = typer.Option(0, help="Seed of the sampled sequences and of the noise."),
     device: str = typer.Option("auto", help="auto (all GPUs, else CPU), cpu, cuda, cuda:0,cuda:1 ..."),
     batch_size: int = typer.Option(0, "--batch-size", help="Sequences per forward pass (0: automatic)."),
@@ -142,7 +146,7 @@ def calibrate(
         model, output, devices=device, num_seqs=num_seqs, seq_len=seq_len, levels=levels, t_max=t_max,
         seed=seed, batch_size=batch_size, dtype=dtype, dataset=dataset,
         text_file=str(text_file) if text_file else None, layers=layers, resume=resume, progress=not quiet,
-        directions=directions, log=lambda m: typer.echo(m, err=True),
+        directions=directions, loss=loss, log=lambda m: typer.echo(m, err=True),
     )
     t = doc["timing"]
     typer.echo(
@@ -184,6 +188,50 @@ def hessians(
                f"{doc['device']} → {output}")
 
 
+@app.command("loss-table")
+def loss_table(
+    model: str = typer.Argument(
+        ..., help="Local HF model dir (safetensors), HF hub id, .gguf/.whl file, or 'smollm2-135m'."
+    ),
+    output: Path = typer.Option(..., "--output", "-o", help="Loss table JSON to write."),
+    text_file: Optional[Path] = typer.Option(None, "--text-file", help="Calibration text: a UTF-8 text file."),
+    dataset: Optional[str] = typer.Option(
+        None, help="Calibration text: a `datasets` NAME[:CONFIG[:SPLIT]], e.g. wikitext2."
+    ),
+    entries: Optional[str] = typer.Option(
+        None, "--entries", help="Palette entries and/or families, comma list (default: the whole palette; "
+        "on a CPU prefer nuq,vq: trellis entries take minutes a layer)."
+    ),
+    hessians: Optional[Path] = typer.Option(
+        None, "--hessians", help="A folder from `qpalette hessians`: layers are rounded by LDLQ, as compress does."
+    ),
+    damp: float = typer.Option(0.01, "--damp", help="With --hessians: LDLQ damping, a fraction of mean diag(H)."),
+    base: Optional[str] = typer.Option(
+        None, "--base", help="Measure on top of every block layer quantized with this entry (default: on "
+        "the unquantized model)."
+    ),
+    tokens: int = typer.Option(0, "--tokens", help="Calibration tokens (0: 131072 on a GPU, 8192 on the CPU)."),
+    seq_len: int = typer.Option(0, "--seq-len", help="Tokens per window (0: 2048, or the model's context)."),
+    batch_size: int = typer.Option(0, "--batch-size", help="Windows per forward pass (0: automatic)."),
+    device: str = typer.Option("auto", help="auto (GPU if present), cpu, cuda, cuda:1 (one device)."),
+    layers: Optional[str] = typer.Option(None, help="Only layers whose name matches this regex."),
+    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run, or extend OUTPUT."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+) -> None:
+    """Measured loss terms for `plan --loss-table` (docs/method.md §8): the increase of the
+    cross-entropy on calibration text with each layer alone quantized by each palette entry."""
+    doc = api.loss_table(
+        model, output, text_file=str(text_file) if text_file else None, dataset=dataset,
+        entries=entries.split(",") if entries else None, hessians=str(hessians) if hessians else None,
+        damp=damp, base=base, tokens=tokens, seq_len=seq_len, batch_size=batch_size, device=device,
+        layers=layers, resume=resume, progress=not quiet, log=lambda m: typer.echo(m, err=True),
+    )
+    cells = sum(len(r) for r in doc["rows"].values())
+    typer.echo(f"{cells} cells ({len(doc['rows'])} layers × {len(doc['entries'])} entries), {doc['tokens']} "
+               f"tokens of {doc['source']}, baseline loss {doc['base_loss']:.4f}, "
+               f"{doc['timing']['seconds']:.1f} s on {doc['timing']['device']} → {output}")
+
+
 @app.command()
 def plan(
     model: Optional[str] = typer.Argument(
@@ -194,6 +242,10 @@ def plan(
         "comma-list to combine (all must hold)."
     ),
     sensitivity: Optional[Path] = typer.Option(None, "--sensitivity", "-s", help="calibrate's JSON."),
+    loss_table: Optional[Path] = typer.Option(
+        None, "--loss-table", help="`qpalette loss-table`'s JSON: minimise its measured losses instead of "
+        "a_l·err(q) (then --sensitivity is optional)."
+    ),
     latency_profile: Optional[Path] = typer.Option(
         None, "--latency-profile", "-l", help="qpalette.latency/1 JSON; needed for tok/s or ms budgets."
     ),
@@ -234,7 +286,7 @@ def plan(
         fail("give --budget (e.g. 3.25bits, 2.4GB, 200tok/s), or --show PLAN.json")
     png = None if no_plot else (plot or output.with_suffix(".png"))
     p = api.plan(
-        model, budget, sensitivity=sensitivity, output=output, plot=png,
+        model, budget, sensitivity=sensitivity, output=output, plot=png, loss_table=loss_table,
         latency_profile=latency_profile, distortion=distortion, palette=palette_,
         fuse=not no_fuse, batch_size=batch_size, time_limit_s=time_limit, lm_head=lm_head,
     )

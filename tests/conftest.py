@@ -31,3 +31,18 @@ def smollm2_dir():
     except ModelError as e:
         pytest.skip(f"SmolLM2-135M not available: {e}")
 
+
+
+@pytest.fixture(scope="session")
+def trained_tiny_llama_dir(tmp_path_factory):
+    """The tiny Llama fitted for 60 steps to the start of WikiText-2's calibration text (its
+    validation split; skipped without ../shared): near a minimum of its cross-entropy on that text,
+    so quantization raises the loss there (an untrained model's CE moves either way under noise).
+    Returns (model dir, text file)."""
+    from shared_data import shared_dir
+    from tiny_llama import train_tiny_llama
+
+    text = shared_dir() / "data" / "wikitext2_valid_tokens.txt"
+    if not text.is_file():
+        pytest.skip(f"{text} not present (set QPALETTE_SHARED)")
+    return train_tiny_llama(tmp_path_factory.mktemp("trained_tiny_llama"), text), text

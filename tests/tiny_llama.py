@@ -38,3 +38,25 @@ def make_tiny_llama(path, seed: int = 0, model_type: str = "llama", **overrides)
 SMOLLM2_SHAPES = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                       num_attention_heads=9, num_key_value_heads=3, head_dim=64,
                       initializer_range=0.02, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+
+
+def train_tiny_llama(path, text_file, steps: int = 60, windows: int = 4, seq_len: int = 128) -> Path:
+    """make_tiny_llama, then Adam on the first `windows` windows of `text_file` (the windows the
+    calibration tests measure on). Returns path."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from qpalette.calibration.data import text_windows
+
+    path = make_tiny_llama(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = text_windows(tok, Path(text_file).read_text(encoding="utf-8", errors="replace"), windows, seq_len)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    torch.manual_seed(0)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+    model.save_pretrained(path)
+    return path

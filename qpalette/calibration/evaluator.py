@@ -1,11 +1,12 @@
-"""The block-input cache: mean KL of a perturbed model from the original, running only the
-decoder blocks from the perturbed one onward (docs/method.md §4).
+"""The block-input cache: the loss of a perturbed model, running only the decoder blocks from the
+perturbed one onward (docs/method.md §4, §8).
 
 `BlockEvaluator.prepare()` captures every chunk's input of block 0 (and the keyword arguments the
-blocks get: masks, rotary embeddings) and runs the unperturbed model once for the reference
-log-probs (kept, or the final hidden states when the log-probs do not fit `cache_ref_bytes`).
-`advance_to(j)` moves the cached inputs forward, unperturbed, to the input of block j; `mean_kl()`
-then runs blocks j.. of the current (perturbed) model only.
+blocks get: masks, rotary embeddings) and runs the unperturbed model once: for the reference
+log-probs of the KL (kept, or the final hidden states when the log-probs do not fit
+`cache_ref_bytes`), or, with loss "ce", for its mean next-token cross-entropy on the tokens
+(`base_nll`). `advance_to(j)` moves the cached inputs forward, unperturbed, to the input of block
+j; `mean_kl()` / `mean_nll()` then run blocks j.. of the current (perturbed) model only.
 """
 
 from __future__ import annotations
@@ -98,15 +99,20 @@ class BlockEvaluator:
         self.block = 0
         self.final = []  # unperturbed final hidden states, when the reference log-probs do not fit
         self.ref_lp = None
+        self.base_nll = None  # mean next-token CE of the model as prepared (loss "ce")
         self._cache_ref_bytes = cache_ref_bytes
 
     @torch.no_grad()
-    def prepare(self) -> None:
-        """Embeddings + per-shape block kwargs, then one unperturbed pass for the references."""
+    def prepare(self, loss: str = "kl") -> None:
+        """Embeddings + per-shape block kwargs, then one unperturbed pass for the references of
+        `loss`: "kl" (reference log-probs) or "ce" (`base_nll`)."""
         for chunk in self.chunks:
             h, kw = block_input(self.model, chunk.to(self.device))
             self.hidden.append(h)
             self.kwargs.setdefault(chunk.shape[0], kw)
+        if loss == "ce":
+            self.base_nll = self.mean_nll()
+            return
         self.final = [self._run_blocks(0, h) for h in self.hidden]
         if self.n_tokens * self.head.out_features * 4 <= self._cache_ref_bytes:
             self.ref_lp = [self._logprobs(h) for h in self.final]
@@ -144,3 +150,17 @@ class BlockEvaluator:
             total += float(F.kl_div(lp, ref, log_target=True, reduction="sum").double())
             del lp, ref
         return total / self.n_tokens
+
+    @torch.no_grad()
+    def mean_nll(self) -> float:
+        """Mean next-token cross-entropy (nats per predicted token) of the current model on the
+        tokens: the calibration loss of the data-aware protocols (docs/method.md §4, §8)."""
+        total, count = 0.0, 0
+        for chunk, h in zip(self.chunks, self.hidden):
+            logits = self.head(self.norm(self._run_blocks(self.block, h)))[:, :-1]
+            target = chunk[:, 1:].to(logits.device)
+            total += float(F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1),
+                                           reduction="sum").double())
+            count += target.numel()
+            del logits
+        return total / count

@@ -1,4 +1,5 @@
-"""Noise injection into one layer at a time and the KL it causes: the measurement behind a_l."""
+"""Noise injection into one layer at a time and the loss increase it causes (KL from the original,
+or next-token cross-entropy on the text): the measurement behind a_l."""
 
 from __future__ import annotations
 
@@ -52,16 +53,18 @@ class Settings:
     batch_size: int
     dtype: str
     directions: str = "shared"
+    loss: str = "kl"  # kl: KL(original ‖ perturbed); ce: increase of next-token cross-entropy
 
 
 def run_layers(model, tokens: torch.Tensor, todo: list[str], settings: Settings, device,
                report: Callable[[str, list[float], float], None],
                tick: Callable[[], None] = lambda: None) -> None:
-    """Measure ΔKL at every level for the layers named in `todo`; report(name, dkl, seconds)."""
+    """Measure the loss increase (settings.loss) at every level for the layers named in `todo`;
+    report(name, deltas, seconds)."""
     device = torch.device(device)
     wanted = set(todo)
     ev = BlockEvaluator(model, tokens, settings.batch_size, device, ref_cache_budget(device))
-    ev.prepare()
+    ev.prepare(settings.loss)
     for k, (name, mod, block) in enumerate(linear_layers(model)):
         if name in wanted:
             t0 = time.perf_counter()
@@ -72,8 +75,9 @@ def run_layers(model, tokens: torch.Tensor, todo: list[str], settings: Settings,
 
 def perturbed_kl(ev: BlockEvaluator, w: torch.Tensor, layer_index: int, settings: Settings, device,
                  tick: Callable[[], None]) -> list[float]:
-    """Mean KL at every noise level of the weight `w` (of layer `layer_index` in model order);
-    `w` is restored exactly (from a saved copy, not W − noise) afterwards."""
+    """The loss increase at every noise level of the weight `w` (of layer `layer_index` in model
+    order): mean KL, or mean cross-entropy minus the unperturbed one; `w` is restored exactly (from
+    a saved copy, not W − noise) afterwards."""
     original = w.detach().clone()
     w0 = original.float()
     norm = float(torch.linalg.vector_norm(w0))
@@ -88,7 +92,7 @@ def perturbed_kl(ev: BlockEvaluator, w: torch.Tensor, layer_index: int, settings
             with torch.no_grad():
                 w.copy_((w0 + eps * (t * norm)).to(w.dtype))
             del eps
-            dkl.append(ev.mean_kl())
+            dkl.append(ev.mean_kl() if settings.loss == "kl" else ev.mean_nll() - ev.base_nll)
             tick()
     finally:
         with torch.no_grad():

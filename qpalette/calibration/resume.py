@@ -17,7 +17,7 @@ from qpalette.fileio import atomic_write_json
 PARTIAL_FORMAT = "qpalette.sensitivity-partial/1"
 # header keys that must match for a run to be resumed
 RESUME_KEYS = ("model", "protocol", "source", "seq_len", "levels", "t_max", "seed", "layer_filter",
-               "directions")
+               "directions", "loss")
 
 
 @dataclass

@@ -5,10 +5,13 @@ Loss(Q(W)) − Loss(W) ≈ Σ_l a_l · err_l, with err_l = ‖Q(W_l) − W_l‖�
 For every linear layer l inside the decoder blocks (and lm_head) and every noise level t_i = t_max · i/levels
 (i = 1..levels) the weight is perturbed in place, W_l ← W_l + t_i · ‖W_l‖_F · ε/‖ε‖_F (by
 default one ε ~ N(0, I) per layer, scaled over the levels; `directions="fresh"` draws one per
-level), and the mean KL divergence of the perturbed model's next-token distribution from the
-unperturbed one is measured over a fixed evaluation set (`calibration.data`). Since the noise has
-err = t², fitting ΔKL ≈ a_l · t² by least squares through the origin gives a_l in the unit the
-planner needs (nats of KL per unit of nmse).
+level), and the loss increase is measured over a fixed evaluation set (`calibration.data`).
+The loss (`loss`, "auto" by default) is, data-free, the mean KL divergence of the perturbed
+model's next-token distribution from the unperturbed one on the model's own samples; data-aware
+(`text_file`/`dataset`), the calibration loss itself: the mean next-token cross-entropy of the
+text's windows (the paper's 'linear' data-aware loss term; `loss="kl"` keeps the KL on the text).
+Since the noise has err = t², fitting ΔLoss ≈ a_l · t² by least squares through the origin gives
+a_l in the unit the planner needs (nats per unit of nmse).
 
 Cost: only the blocks from the perturbed one onward run (`calibration.evaluator`). The original
 weight is kept aside and copied back after the layer's levels, so nothing drifts. Layers are
@@ -38,6 +41,12 @@ from qpalette.fileio import atomic_write_json, output_lock
 from qpalette.progress import progress_bar
 
 FORMAT = "qpalette.sensitivity/1"
+LOSSES = ("auto", "kl", "ce")
+LOSS_TEXT = {
+    "kl": "mean next-token KL(original || perturbed), nats per token",
+    "ce": "mean next-token cross-entropy on the evaluation tokens, minus the unperturbed model's, "
+          "nats per predicted token",
+}
 
 
 # --------------------------------------------------------------------------- the command
@@ -59,6 +68,7 @@ class CalibrateOptions:
     text_file: str | None = None
     layers: str | None = None  # regex filter on layer names
     directions: str = "shared"  # one noise direction per layer scaled over the levels, or fresh per level
+    loss: str = "auto"  # auto: kl data-free, ce data-aware (see LOSS_TEXT)
     resume: bool = False
     progress: bool = True
 
@@ -80,6 +90,8 @@ def check_options(opts: CalibrateOptions) -> None:
         raise CalibrationError("give --dataset or --text-file, not both")
     if opts.directions not in ("shared", "fresh"):
         raise CalibrationError("--directions: shared or fresh")
+    if opts.loss not in LOSSES:
+        raise CalibrationError(f"--loss: {', '.join(LOSSES)}")
     if opts.dtype not in DTYPE_NAMES:
         raise CalibrationError(f"--dtype: {', '.join(DTYPE_NAMES)}")
     if not opts.devices:
@@ -95,6 +107,14 @@ def protocol(opts: CalibrateOptions) -> str:
     return "data-aware" if (opts.dataset or opts.text_file) else "data-free"
 
 
+def loss_kind(opts: CalibrateOptions) -> str:
+    """The measured loss: KL on the model's own samples (data-free) and, on real text, the
+    calibration loss itself, next-token cross-entropy, unless opts.loss says otherwise."""
+    if opts.loss != "auto":
+        return opts.loss
+    return "ce" if protocol(opts) == "data-aware" else "kl"
+
+
 def header(opts: CalibrateOptions, source: str, n_seqs: int) -> dict:
     """What the run measured: the head of the document (and of the resume file)."""
     return {
@@ -108,7 +128,7 @@ def header(opts: CalibrateOptions, source: str, n_seqs: int) -> dict:
         "t_max": opts.t_max,
         "seed": opts.seed,
         "layer_filter": opts.layers,
-        "loss": "mean next-token KL(original || perturbed), nats per token",
+        "loss": LOSS_TEXT[loss_kind(opts)],
         "directions": opts.directions,
         "noise": "W <- W + t*||W||_F*eps/||eps||_F, eps ~ N(0,I) "
                  + ("one per layer, scaled over the levels" if opts.directions == "shared"
@@ -189,7 +209,7 @@ def measure_layers(opts: CalibrateOptions, run: PartialRun, names: list[str], se
 
     def record(name: str, dkl: list[float], seconds: float) -> None:
         a, r2 = fit_through_origin(ts, dkl)
-        run.layers[name] = {"a": a, "r2": r2, "shape": shapes[name], "delta_kl": dkl,
+        run.layers[name] = {"a": a, "r2": r2, "shape": shapes[name], f"delta_{settings.loss}": dkl,
                             "seconds": round(seconds, 3)}
         run.save()
 
@@ -267,7 +287,7 @@ def _calibrate(opts: CalibrateOptions, log: Callable[[str], None]) -> dict:
 
     batch = opts.batch_size or auto_batch(opts.seq_len, model.lm_head.out_features, device)
     settings = Settings(seed=opts.seed, levels=opts.levels, t_max=opts.t_max, batch_size=batch,
-                        dtype=opts.dtype, directions=opts.directions)
+                        dtype=opts.dtype, directions=opts.directions, loss=loss_kind(opts))
     run.timing = _timing(opts, run, dtype, batch, sampling_s)
     if len(opts.devices) > 1:
         model = None  # the workers load their own copies: free the first device for worker 0

@@ -11,27 +11,48 @@ import torch
 from qpalette.compression.source import SourceCheckpoint
 from qpalette.models.topology import HEAD, LayerShape
 from qpalette.quant.codebooks import codebook
-from qpalette.quant.incoherence import pack_signs, random_signs, rotate_hessian, rotate_weight
+from qpalette.quant.incoherence import (
+    pack_signs,
+    random_signs,
+    rotate_hessian,
+    rotate_weight,
+    unrotate_weight,
+)
 from qpalette.quant.ldlq import DEFAULT_DAMP, ldl_feedback, ldlq
 from qpalette.quant.palette import get_quantizer
+from qpalette.quant.palette.base import QuantizedMatrix
 from qpalette.runtime.checkpoint import CODEBOOKS_MODULE, Layout, parent_and_attr, sign_seed
 from qpalette.runtime.modules import buffer_name
+
+
+def _quantize_rotated(w: torch.Tensor, quantizer: str, signs: torch.Tensor, device,
+                      hessian: torch.Tensor | None, damp: float) -> QuantizedMatrix:
+    """W rotated (W·diag(s)·Hᵀ) and quantized: nearest rounding, or LDLQ with `hessian` (XᵀX/n
+    of its input, original basis) under the same rotation."""
+    q = get_quantizer(quantizer)
+    w_r = rotate_weight(w.to(device, torch.float32), signs)
+    if hessian is None:
+        return q.quantize(w_r)
+    h_r = rotate_hessian(hessian.to(device, torch.float32), signs)
+    return ldlq(q, w_r, ldl_feedback(h_r, q.block_cols, damp))
 
 
 def quantize_matrix(w: torch.Tensor, quantizer: str, signs: torch.Tensor, device,
                     hessian: torch.Tensor | None = None, damp: float = DEFAULT_DAMP
                     ) -> dict[str, torch.Tensor]:
-    """Rotate (W·diag(s)·Hᵀ) and quantize one matrix; the stored tensors on CPU. With `hessian`
-    (XᵀX/n of its input, original basis), LDLQ under the same rotation with `damp`."""
-    q = get_quantizer(quantizer)
-    signs = signs.to(device)
-    w_r = rotate_weight(w.to(device, torch.float32), signs)
-    if hessian is None:
-        qm = q.quantize(w_r)
-    else:
-        h_r = rotate_hessian(hessian.to(device, torch.float32), signs)
-        qm = ldlq(q, w_r, ldl_feedback(h_r, q.block_cols, damp))
+    """Rotate and quantize one matrix (`_quantize_rotated`); the stored tensors on CPU."""
+    qm = _quantize_rotated(w, quantizer, signs.to(device), device, hessian, damp)
     return {k: v.cpu() for k, v in qm.tensors.items()}
+
+
+def quantized_weight(w: torch.Tensor, quantizer: str, signs: torch.Tensor, device,
+                     hessian: torch.Tensor | None = None, damp: float = DEFAULT_DAMP) -> torch.Tensor:
+    """The weight a compressed layer computes with, back in W's basis (float32 on `device`): the
+    codes `quantize_matrix` stores, decoded (float32 codebooks), times their fp16 row scales,
+    unrotated (Ŵ = Ŵ_r · H · diag(s))."""
+    signs = signs.to(device)
+    qm = _quantize_rotated(w, quantizer, signs, device, hessian, damp)
+    return unrotate_weight(get_quantizer(quantizer).dequantize(qm), signs)
 
 
 def _layer_tensors(w: torch.Tensor, quantizer: str, signs: torch.Tensor, device, random_seed: int | None,

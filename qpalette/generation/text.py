@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from qpalette.errors import InputError
-from qpalette.generation.decoder import DecodeResult, Decoder
+from qpalette.generation.decoder import Decoder, DecodeResult
 from qpalette.generation.sampling import SamplingOptions
 
 _DECODERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

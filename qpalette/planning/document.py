@@ -52,7 +52,7 @@ class PlanLayer:
     bytes: int  # codes + fp16 row scales
     a: float  # sensitivity a_l
     err: float  # distortion err(q) of its entry
-    loss: float  # a · err
+    loss: float  # a · err, or the loss table's measured Δloss
     ideal_bits: float  # b_l* of the ideal-quantizer bound
 
     def to_dict(self) -> dict:
@@ -244,7 +244,7 @@ def _plan_layers(problem: Problem, assignment: dict[int, str], group_of: dict[in
             quantizer=q.name, family=q.family, bits=q.bits, shape=[l.out_features, l.in_features],
             block=l.block, kind=l.kind, group=group_of[i],
             bytes=q.stored_bytes(l.out_features, l.in_features),
-            a=problem.a[i], err=err[i], loss=problem.a[i] * err[i], ideal_bits=ideal_bits[i],
+            a=problem.a[i], err=err[i], loss=problem.layer_loss(i, q.name), ideal_bits=ideal_bits[i],
         )
     return rows, bound
 

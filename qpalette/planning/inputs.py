@@ -6,6 +6,8 @@ Formats (all JSON, documented in docs/format.md):
 - `qpalette.latency/1`: per-block latency of each (fusion group, quantizer) kernel call at one batch
   size, plus the constant per-token overhead outside the linear layers.
 - `qpalette.distortion/1`: the data-free err(q) table (`DistortionTable`).
+- `qpalette.loss_table/1` (written by `qpalette loss-table`): per layer and palette entry the
+  measured increase of the calibration loss when that layer alone is quantized (`LossTable`).
 
 Each document is a dataclass with `from_dict(d, path)` (checks `format`, raises InputError naming
 the problem), `to_dict()` and one loader, the classmethod `load(path)`.
@@ -25,10 +27,12 @@ from qpalette.quant.palette import get_quantizer
 
 SENSITIVITY_FORMAT = "qpalette.sensitivity/1"
 LATENCY_FORMAT = "qpalette.latency/1"
+LOSS_TABLE_FORMAT = "qpalette.loss_table/1"
 
 __all__ = [
-    "DISTORTION_FORMAT", "LATENCY_FORMAT", "SENSITIVITY_FORMAT", "DistortionRow", "DistortionTable",
-    "LatencyProfile", "Sensitivity", "find_shipped_profile", "shipped_latency_profiles",
+    "DISTORTION_FORMAT", "LATENCY_FORMAT", "LOSS_TABLE_FORMAT", "SENSITIVITY_FORMAT", "DistortionRow",
+    "DistortionTable", "LatencyProfile", "LossTable", "Sensitivity", "find_shipped_profile",
+    "shipped_latency_profiles",
 ]
 
 
@@ -113,6 +117,49 @@ def _negative_warning(negative: list[str]) -> list[str]:
         f"{len(negative)} layer(s) have a negative fitted coefficient (noise), treated as 0: "
         + ", ".join(negative[:5]) + (" …" if len(negative) > 5 else "")
     ]
+
+
+# -- loss tables --------------------------------------------------------------------------------
+@dataclass
+class LossTable:
+    """A `qpalette.loss_table/1` document: rows[layer][entry] = measured increase of the calibration
+    loss with that layer alone quantized by that entry (docs/method.md §8); entry names canonical."""
+
+    path: str
+    sha256: str
+    model: str | None
+    rows: dict[str, dict[str, float]]
+    shapes: dict[str, tuple[int, int]]
+    meta: dict = field(default_factory=dict)  # every top-level field but `rows` and `shapes`
+
+    def implied_coefficient(self, layer: str, err: dict[str, float]) -> float:
+        """a_l of the linear model Δloss ≈ a_l·err(q) fitted to the layer's row (least squares
+        through the origin, clamped at 0): what the plan reports as `a` and the bound uses."""
+        pairs = [(err[q], d) for q, d in self.rows[layer].items() if q in err]
+        sxx = sum(e * e for e, _ in pairs)
+        return max(0.0, sum(e * d for e, d in pairs) / sxx) if sxx > 0 else 0.0
+
+    @classmethod
+    def from_dict(cls, d: dict, path: str = "loss table", sha256: str = "") -> "LossTable":
+        _check_format(d, LOSS_TABLE_FORMAT, path, "written by `qpalette loss-table`")
+        raw = d.get("rows")
+        if not isinstance(raw, dict) or not raw:
+            raise InputError(f"{path}: 'rows' must be a non-empty object layer → {{entry: delta_loss}}")
+        rows = {}
+        for layer, row in raw.items():
+            if not isinstance(row, dict):
+                raise InputError(f"{path}: row {layer} must map palette entry → delta_loss")
+            rows[layer] = {_quantizer_name(q, f"{path}: row {layer}"): _finite(v, f"{path}: {layer} {q}")
+                           for q, v in row.items()}
+        shapes = {n: _shape(s, f"{path}: shape of {n}") for n, s in (d.get("shapes") or {}).items()}
+        meta = {k: v for k, v in d.items() if k not in ("rows", "shapes")}
+        return cls(str(path), sha256, d.get("model"), rows, shapes, meta)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "LossTable":
+        data = read_json_object(path, "loss table", InputError, LOSS_TABLE_FORMAT,
+                                "written by `qpalette loss-table`")
+        return cls.from_dict(data, str(path), sha256_file(path))
 
 
 # -- latency profiles ---------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from qpalette.planning.budget import Budget, parse_budgets
 from qpalette.planning.document import Plan, make_plan
 from qpalette.planning.inputs import (
     LatencyProfile,
+    LossTable,
     Sensitivity,
     find_shipped_profile,
     shipped_latency_profiles,
@@ -175,11 +176,55 @@ def match_sensitivity(layers, sens) -> list[float]:
     return [sens.coefficients[l.name] for l in layers]
 
 
+def check_loss_table(layers, table: LossTable) -> None:
+    """Refuse a table whose layers or shapes are not the model's (a row for an lm_head the plan
+    leaves in 16 bits is fine)."""
+    names = {l.name for l in layers}
+    missing = [l.name for l in layers if l.name not in table.rows]
+    extra = [n for n in table.rows if n not in names and n != HEAD]
+    if missing or extra:
+        parts = [f"{len(missing)} model layer(s) have no row (e.g. {missing[0]})"] if missing else []
+        if extra:
+            parts.append(f"{len(extra)} row(s) name no layer of the model (e.g. {extra[0]})")
+        raise InputError(f"loss table {table.path} does not match the model: " + "; ".join(parts))
+    for l in layers:
+        s = table.shapes.get(l.name)
+        if s is not None and tuple(s) != (l.out_features, l.in_features):
+            raise InputError(f"loss table {table.path}: layer {l.name} is {s[0]}×{s[1]} there but "
+                             f"{l.out_features}×{l.in_features} in the model")
+
+
+def match_loss_table(layers, table: LossTable, entries: list, notes: list[str]) -> list[dict[str, float]]:
+    """Each layer's row of the table, restricted to `entries`; notes the entries a row lacks (no
+    option for that layer) and refuses a layer left with none."""
+    wanted = [q.name for q in entries]
+    rows = [{q: table.rows[l.name][q] for q in wanted if q in table.rows[l.name]} for l in layers]
+    lacking = sorted({q for row in rows for q in wanted if q not in row})
+    for l, row in zip(layers, rows):
+        if not row:
+            raise InputError(f"loss table {table.path} has no loss for {l.name} with any of the palette's "
+                             f"entries ({', '.join(wanted[:6])}{' …' if len(wanted) > 6 else ''})")
+    if lacking:
+        notes.append("loss table: entries without a measured loss are no option for that layer ("
+                     + ", ".join(f"{q}: {sum(q not in r for r in rows)} layers" for q in lacking[:8])
+                     + (" …" if len(lacking) > 8 else "") + ")")
+    return rows
+
+
+def _table_sensitivity(table: LossTable, err: dict[str, float]) -> Sensitivity:
+    """The coefficients a plan with a loss table but no sensitivity file reports (and bounds with):
+    each row's implied a_l (`LossTable.implied_coefficient`); the shapes are the table's."""
+    coeffs = {n: table.implied_coefficient(n, err) for n in table.rows}
+    return Sensitivity(table.path, table.sha256, table.model, coeffs, dict(table.shapes),
+                       {"protocol": "implied by the loss table"})
+
+
 def plan(
     model: str | None,
     budget_texts: list[str],
     *,
     sensitivity: str | None,
+    loss_table: str | None = None,
     latency_profile: str | None = None,
     distortion: str | None = None,
     palette: list[str] | None = None,
@@ -190,33 +235,45 @@ def plan(
     command: str | None = None,
 ) -> Plan:
     """`qpalette plan`: load and cross-check the inputs, solve (docs/method.md §5), make the Plan.
-    `lm_head`: auto (quantized under a speed budget when the inputs cover it), quantize, keep."""
+    `lm_head`: auto (quantized under a speed budget when the inputs cover it), quantize, keep.
+    `loss_table`: a `qpalette loss-table` file whose measured losses replace a_l·err(q) (§8); the
+    sensitivity file is then optional (without it a plan reports each row's implied a_l)."""
     t0 = time.time()
     budgets: list[Budget] = parse_budgets(budget_texts)
-    sens = _load_sensitivity(sensitivity)
-    mi = resolve_model(model, sens)
     dist = DistortionTable.load(distortion)
+    table = LossTable.load(loss_table) if loss_table is not None else None
+    sens = _load_sensitivity(sensitivity) if sensitivity is not None or table is None else None
+    if table is not None:
+        from_table = sens is None
+        sens = sens or _table_sensitivity(table, {n: r.nmse for n, r in dist.rows.items()})
+    mi = resolve_model(model, sens)
     entries, explicit = parse_palette(palette)
     notes = list(sens.warnings) + mi.info.pop("notes", [])
+    if table is not None:
+        notes.append(f"objective: the measured losses of loss table {Path(table.path).name} "
+                     + ("(a_l reported: implied by its rows)" if from_table else "(a_l reported: the sensitivity file's)"))
     speed = any(b.kind == "latency" for b in budgets)
     prof = _latency_profile(latency_profile, speed, mi.layers, batch_size, notes)
     head = _quantize_head(lm_head, mi, sens, prof, speed, notes)
     if head:
         mi = mi.with_head()
         prof = prof.with_quantized_head() if prof is not None and prof.times_lm_head() else prof
+    if table is not None:
+        check_loss_table(mi.layers, table)
     a = match_sensitivity(mi.layers, sens)
     entries = _entries_with_latency(entries, explicit, prof, speed, batch_size, notes)
     entries = _entries_with_distortion(entries, explicit, dist, notes)
+    losses = None if table is None else match_loss_table(mi.layers, table, entries, notes)
     problem = build_problem(
         mi.layers, a, entries, {q.name: dist.rows[q.name].nmse for q in entries},
         latency=prof, use_latency=speed, fuse=fuse, unquantized_params=mi.unquantized,
-        active=tuple(b.kind for b in budgets),
+        active=tuple(b.kind for b in budgets), losses=losses,
     )
     solution = solve(problem, budgets, time_limit_s)
     result = make_plan(
         problem, solution, budgets, fuse=fuse,
         model={k: v for k, v in mi.info.items() if k != "config_sha256"},
-        inputs=_provenance(sens, dist, prof, mi, command),
+        inputs=_provenance(sens, dist, prof, mi, command, table),
         options={
             "palette": [q.name for q in entries],
             "fuse": fuse,
@@ -317,14 +374,17 @@ def _entries_with_distortion(entries: list, explicit: bool, dist: DistortionTabl
 
 
 def _provenance(sens: Sensitivity, dist: DistortionTable, prof: LatencyProfile | None, mi: ModelInfo,
-                command: str | None) -> dict:
+                command: str | None, table: LossTable | None = None) -> dict:
     """Where the plan's inputs came from (paths and sha256), versions, time and command line."""
     def inp(path, sha):
         return {"path": _portable(path), "sha256": sha}
 
+    implied = table is not None and sens.path == table.path
     return {
-        "sensitivity": inp(sens.path, sens.sha256) | {
+        "sensitivity": None if implied else inp(sens.path, sens.sha256) | {
             "model": sens.model, "protocol": sens.meta.get("protocol"), "tokens": sens.meta.get("tokens")},
+        "loss_table": None if table is None else inp(table.path, table.sha256) | {
+            k: table.meta.get(k) for k in ("model", "model_fingerprint", "source", "tokens", "base", "loss")},
         "distortion": inp(dist.path, dist.sha256),
         "latency_profile": None if prof is None else inp(prof.path, prof.sha256) | {
             "model": prof.model, "device": prof.device, "batch_size": prof.batch_size},

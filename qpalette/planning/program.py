@@ -10,7 +10,7 @@ one row-concatenated kernel call. Binary x_o per option:
     Σ x_o · Σ_{l∈o} bytes(l, q_o) + Σ_c y_c · bytes(c) ≤ B_bytes − fixed          (byte budget)
     Σ_{o ∋ l, c ∈ cb(q_o)} x_o ≤ y_c   ∀ l, c          codebook c stored once if any layer uses it
     Σ x_o · latency(g_o, q_o) + constant_s ≤ B_s                                  (latency budget)
-    minimise Σ x_o · Σ_{l∈o} a_l · err(q_o)
+    minimise Σ x_o · Σ_{l∈o} a_l · err(q_o)      (or Σ x_o · Σ_{l∈o} table[l][q_o] with a loss table)
 
 `fixed` = sign vectors (one per input group per block) + unquantized modules (fp16). Without a
 latency budget only single-layer options exist (fusion changes no byte), and the fusion groups
@@ -77,6 +77,11 @@ class Problem:
     fused: bool  # fused options offered
     pruned: int = 0
     notes: list[str] = field(default_factory=list)
+    losses: list[dict[str, float]] | None = None  # per layer: entry → measured Δloss (a loss table)
+
+    def layer_loss(self, i: int, quantizer: str) -> float:
+        """Predicted loss of layer i with an entry: the table's, else a_l · err(q)."""
+        return self.losses[i][quantizer] if self.losses is not None else self.a[i] * self.err[quantizer]
 
     @property
     def total_params(self) -> int:
@@ -126,13 +131,17 @@ def build_problem(
     unquantized_params: int | None = None,
     active: tuple[str, ...] = RESOURCES,
     prune: bool = True,
+    losses: list[dict[str, float]] | None = None,
 ) -> Problem:
     """Options of every block. `use_latency`: a latency budget exists (options need a latency,
-    fused groups are offered when `fuse`)."""
+    fused groups are offered when `fuse`). `losses` (per layer, entry → Δloss: a loss table) replace
+    a_l · err(q) in the objective; an entry missing from a layer's row is no option for it."""
     _check_inputs(layers, a, quantizers, err, latency, use_latency)
+    if losses is not None and len(losses) != len(layers):
+        raise PlanError("one loss-table row per layer expected")
     groups, notes = _offered_groups(layers, latency, use_latency, fuse)
     cb_bytes = {c: codebook_nbytes(c) for q in quantizers for c in q.codebooks}
-    maker = _OptionMaker(layers, a, quantizers, err, cb_bytes, latency, use_latency, active, prune)
+    maker = _OptionMaker(layers, a, quantizers, err, cb_bytes, latency, use_latency, active, prune, losses)
     options = [o for b, kinds in sorted(_layers_by_block(layers).items()) for g in groups
                for o in maker.options(b, g, kinds)]
     _check_covered(layers, options, use_latency)
@@ -141,7 +150,7 @@ def build_problem(
     fixed = None if unq is None else sign + unq
     return Problem(
         layers, list(a), {q.name: q for q in quantizers}, dict(err), options, cb_bytes, fixed, sign,
-        unq, latency, use_latency and fuse, maker.pruned, notes,
+        unq, latency, use_latency and fuse, maker.pruned, notes, losses,
     )
 
 
@@ -202,6 +211,7 @@ class _OptionMaker:
     use_latency: bool
     active: tuple[str, ...]
     prune: bool
+    losses: list[dict[str, float]] | None = None
     pruned: int = 0
     _stored: dict = field(default_factory=dict)  # (out, in, quantizer) → bytes | None (unsupported)
     _drop: dict = field(default_factory=dict)  # (group, shapes) → names of dominated quantizers
@@ -216,21 +226,32 @@ class _OptionMaker:
         members = [self.layers[i] for i in idx]
         if len({m.in_features for m in members}) != 1:
             return []  # not one concatenated matmul
-        cand = self._candidates(g, members)
+        cand = self._candidates(g, idx, members)
+        loss = {q.name: self._loss(idx, q.name) for q, *_ in cand}
         if self.prune and cand:
-            key = (g, tuple((m.out_features, m.in_features) for m in members))
+            # by shape with a_l·err(q) (err orders every group alike); per group with a loss table
+            key = (g, tuple((m.out_features, m.in_features) for m in members)) if self.losses is None else (g, idx)
             if key not in self._drop:
-                self._drop[key] = _dominated(cand, self.err, self.cb_bytes, self.active, self.use_latency)
+                score = self.err if self.losses is None else loss
+                self._drop[key] = _dominated(cand, score, self.cb_bytes, self.active, self.use_latency)
             self.pruned += sum(1 for c in cand if c[0].name in self._drop[key])
             cand = [c for c in cand if c[0].name not in self._drop[key]]
-        a_sum = sum(self.a[i] for i in idx)
-        return [Option(block, g, idx, q.name, a_sum * self.err[q.name], qb, nbytes, lat, q.codebooks)
+        return [Option(block, g, idx, q.name, loss[q.name], qb, nbytes, lat, q.codebooks)
                 for q, nbytes, qb, lat in cand]
 
-    def _candidates(self, g: str, members: list[LayerShape]) -> list[tuple[Quantizer, int, int, float | None]]:
-        """(quantizer, stored bytes, quarter-bits, latency) of every entry that fits the group."""
+    def _loss(self, idx: tuple[int, ...], quantizer: str) -> float:
+        if self.losses is None:
+            return sum(self.a[i] for i in idx) * self.err[quantizer]
+        return math.fsum(self.losses[i][quantizer] for i in idx)
+
+    def _candidates(self, g: str, idx: tuple[int, ...], members: list[LayerShape]
+                    ) -> list[tuple[Quantizer, int, int, float | None]]:
+        """(quantizer, stored bytes, quarter-bits, latency) of every entry that fits the group (and,
+        with a loss table, has a measured loss for each of its layers)."""
         out = []
         for q in self.quantizers:
+            if self.losses is not None and any(q.name not in self.losses[i] for i in idx):
+                continue
             sizes = [self.stored_bytes(m, q) for m in members]
             if any(s is None for s in sizes):
                 continue

@@ -194,7 +194,12 @@ def test_data_aware_text_file(tiny_llama_dir, tmp_path):
                     log=lambda m: None)
     assert doc["protocol"] == "data-aware" and doc["source"] == "file:wikitext2_raw_test.txt"
     assert doc["tokens"] == 3 * 48
-    assert all(v["a"] > 0 and math.isfinite(v["a"]) for v in doc["layers"].values())
+    # the untrained model is no minimum of its CE on real text: a_l may have either sign there
+    assert all(math.isfinite(v["a"]) and "delta_ce" in v for v in doc["layers"].values())
+    kl = calibrate(_opts(tiny_llama_dir, tmp_path / "kl.json", text_file=str(WIKITEXT), num_seqs=3, seq_len=48,
+                         loss="kl"), log=lambda m: None)
+    assert all(v["a"] > 0 and math.isfinite(v["a"]) for v in kl["layers"].values())
+    doc = kl
     free = calibrate(_opts(tiny_llama_dir, tmp_path / "free.json", num_seqs=3, seq_len=48),
                      log=lambda m: None)
     assert any(abs(doc["layers"][n]["a"] - free["layers"][n]["a"]) > 1e-6 * free["layers"][n]["a"]
@@ -255,3 +260,35 @@ def test_real_smollm2_cpu_reduced(smollm2_dir, tmp_path):
     names = list(docs[0]["layers"])
     rho = spearman([docs[0]["layers"][n]["a"] for n in names], [docs[1]["layers"][n]["a"] for n in names])
     assert rho >= 0.8
+
+
+def test_data_aware_coefficient_is_the_cross_entropy_on_the_text(trained_tiny_llama_dir, tmp_path):
+    """The 'linear' data-aware loss term: a_l from `--text-file` is the linearity-theorem coefficient
+    of the next-token cross-entropy on that text, i.e. a direct finite-difference fit of the whole
+    model's CE (plain forward, labels = the windows) under the same noise."""
+    from qpalette.calibration.data import text_windows
+
+    model_dir, text = trained_tiny_llama_dir
+    name = "model.layers.0.mlp.down_proj"
+    doc = calibrate(_opts(model_dir, tmp_path / "s.json", text_file=str(text), num_seqs=4, seq_len=128,
+                          layers=r"layers\.0\.mlp\.down"), log=lambda m: None)
+    assert doc["protocol"] == "data-aware" and "cross-entropy" in doc["loss"]
+    row = doc["layers"][name]
+    model, tok = load_model(model_dir, "cpu", torch.float32)
+    ids = text_windows(tok, text.read_text(encoding="utf-8", errors="replace"), 4, 128)
+    index = [n for n, _m, _b in linear_layers(model)].index(name)
+    w = model.get_submodule(name).weight
+    w0, eps = w.detach().clone(), noise_direction(w.shape, 0, index, 0, "cpu")
+    ts, deltas = noise_levels(4), []
+    with torch.no_grad():
+        base = float(model(input_ids=ids, labels=ids).loss)
+        for t in ts:
+            w.copy_(w0 + eps * (t * float(torch.linalg.vector_norm(w0))))
+            deltas.append(float(model(input_ids=ids, labels=ids).loss) - base)
+    a, _r2 = fit_through_origin(ts, deltas)
+    assert row["delta_ce"] == pytest.approx(deltas, rel=1e-3, abs=1e-6)
+    assert row["a"] == pytest.approx(a, rel=1e-3) and a > 0
+    kl = calibrate(_opts(model_dir, tmp_path / "k.json", text_file=str(text), num_seqs=4, seq_len=128,
+                         layers=r"layers\.0\.mlp\.down", loss="kl"), log=lambda m: None)
+    # near a minimum the KL to the original is close to the CE increase, but another quantity
+    assert "KL" in kl["loss"] and "delta_kl" in kl["layers"][name] and kl["layers"][name]["a"] != row["a"]

@@ -2,7 +2,13 @@
 
 import torch
 
-from qpalette.generation.sampling import SamplingOptions, filtered_logits, next_tokens, noise_streams, uniform_noise
+from qpalette.generation.sampling import (
+    SamplingOptions,
+    filtered_logits,
+    next_tokens,
+    noise_streams,
+    uniform_noise,
+)
 
 
 def test_noise_is_a_pure_function_of_its_keys():
