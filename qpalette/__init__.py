@@ -1,7 +1,7 @@
 """qpalette: mixed-scheme weight quantization (NUQ, VQ, TCQ, half-TCQ) for causal LMs.
 
 The library API (qpalette.api, re-exported here) is what the `qpalette` command line calls:
-`calibrate`, `hessians`, `plan` (`load_plan`, `describe_plan`), `compress`, `from_pretrained`, `load_model`,
+`calibrate`, `hessians`, `plan` (`load_plan`, `describe_plan`), `compress`, `quantize` (in memory), `from_pretrained`, `load_model`,
 `generate`, `evaluate`, `bench`, `profile`, `palette`.
 
 Importing qpalette registers `quant_method: "qpalette"` with transformers, so that
@@ -27,6 +27,7 @@ from qpalette.api import (
     palette,
     plan,
     profile,
+    quantize,
 )
 from qpalette.version import __version__
 
@@ -41,4 +42,4 @@ def register() -> None:
 wrapt.register_post_import_hook(lambda _transformers: register(), "transformers")
 
 __all__ = ["__version__", "bench", "calibrate", "compress", "describe_plan", "evaluate", "from_pretrained", "generate",
-           "hessians", "load_model", "load_plan", "loss_table", "palette", "plan", "profile", "register"]
+           "hessians", "load_model", "load_plan", "loss_table", "palette", "plan", "profile", "quantize", "register"]

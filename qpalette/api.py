@@ -145,6 +145,17 @@ def compress(model: str, plan_or_scheme: str | Path, out_dir: str | Path, *, log
     return run(opts, log=log)
 
 
+def quantize(model, plan_or_scheme: str | Path, *, lm_head: bool = False, fuse: bool = True, sign_seed: int = 0,
+             device: str = "auto"):
+    """Quantize an already loaded transformers model in place (returned): the same modules and the
+    same numbers as `compress` then loading the checkpoint, without writing files. `plan_or_scheme`:
+    a plan file from `plan`, or one palette entry for every layer ("tcq-3.0"); `device`: where to
+    quantize. To keep the result, use `compress` (it writes the checkpoint)."""
+    from qpalette.compression.in_memory import quantize_model
+
+    return quantize_model(model, plan_or_scheme, lm_head=lm_head, fuse=fuse, sign_seed=sign_seed, device=device)
+
+
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                *, tokenizer: bool = True):
     """(model, tokenizer) of an original or compressed model directory, or anything

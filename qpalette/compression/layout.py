@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from qpalette.errors import CompressError, UnknownQuantizer, UnsupportedShape
-from qpalette.models.topology import LayerShape, group_module
+from qpalette.models.topology import LayerShape, group_module, head_layer
 from qpalette.planning.document import Plan
 from qpalette.quant.hadamard import decompose
 from qpalette.quant.palette import get_quantizer
@@ -71,3 +71,22 @@ def check_shapes(layout: Layout, layers: list[LayerShape]) -> None:
         raise CompressError("unsupported layer shapes:\n  " + "\n  ".join(problems[:10]))
 
 
+
+
+def resolve_layout(cfg: dict, layers: list[LayerShape], scheme: str | None, plan_path: Path | None, lm_head: bool,
+                   fuse: bool, seed: int) -> tuple[Layout, Plan | None, list[LayerShape]]:
+    """(layout, plan or None, the layers it quantizes) of a scheme or a plan file, shapes checked:
+    what compress and the in-memory quantize both start from."""
+    if lm_head and plan_path is not None:
+        raise CompressError("--lm-head goes with --scheme; a plan says itself whether lm_head is quantized")
+    try:
+        if scheme:
+            layers = layers + ([head_layer(cfg)] if lm_head else [])
+            layout, plan = layout_from_scheme(scheme, layers, fuse, seed), None
+        else:
+            layout, plan = layout_from_plan(plan_path, layers, fuse, seed, head_layer(cfg))
+            layers = [l for l in layers + [head_layer(cfg)] if l.name in layout.layers]
+    except UnknownQuantizer as e:
+        raise CompressError(str(e)) from None
+    check_shapes(layout, layers)
+    return layout, plan, layers

@@ -51,12 +51,7 @@ class SourceCheckpoint:
             t = self._handles[f].get_tensor(name)
         except (SafetensorError, OSError) as e:
             raise CompressError(f"cannot read tensor {name} from {f}: {e}") from None
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            bad = int((~torch.isfinite(t)).sum())
-            raise CompressError(
-                f"{name} in {f.name} holds {bad:,} NaN/Inf value(s): the source model is damaged; "
-                "nothing of it can be quantized faithfully"
-            )
+        check_finite(t, f"{name} in {f.name}")
         return t
 
     def fingerprint(self) -> str:
@@ -65,6 +60,28 @@ class SourceCheckpoint:
             st = f.stat()
             h.update(f"{f.name}:{st.st_size}:{int(st.st_mtime)}".encode())
         return h.hexdigest()[:16]
+
+
+def check_finite(t: torch.Tensor, what: str) -> None:
+    """Refuse a floating tensor holding NaN/Inf, naming it."""
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        raise CompressError(f"{what} holds {bad:,} NaN/Inf value(s): the source model is damaged; "
+                            "nothing of it can be quantized faithfully")
+
+
+class StateDictSource:
+    """The SourceCheckpoint interface (`files`, `get`) over a loaded model's tensors, for
+    quantizing in memory with the same per-block code as compress."""
+
+    def __init__(self, state: dict[str, torch.Tensor]):
+        self.state = state
+        self.files = dict.fromkeys(state)
+
+    def get(self, name: str) -> torch.Tensor:
+        t = self.state[name].detach().cpu()
+        check_finite(t, name)
+        return t
 
 
 def half_dtype(cfg: dict) -> torch.dtype:

@@ -29,10 +29,10 @@ import torch
 from qpalette.calibration.hessian_files import HessianSet, model_fingerprint
 from qpalette.compression.blocks import byte_breakdown, other_tensors, quantize_block
 from qpalette.compression.card import model_card
-from qpalette.compression.layout import check_shapes, layout_from_plan, layout_from_scheme
+from qpalette.compression.layout import resolve_layout
 from qpalette.compression.source import SourceCheckpoint, half_dtype
 from qpalette.devices import resolve_device
-from qpalette.errors import CompressError, ModelError, UnknownQuantizer
+from qpalette.errors import CompressError, ModelError
 from qpalette.fileio import atomic_write, atomic_write_json, output_lock, read_json_object
 from qpalette.models.topology import (
     CHECKPOINT_TYPE_PREFIX,
@@ -40,7 +40,6 @@ from qpalette.models.topology import (
     LayerShape,
     base_model_type,
     check_config,
-    head_layer,
     linear_layers,
     load_config,
 )
@@ -132,18 +131,7 @@ def prepare_job(opts: CompressOptions) -> Job:
         layers = linear_layers(cfg)
     except ModelError as e:
         raise CompressError(str(e)) from None
-    if opts.lm_head and opts.plan is not None:
-        raise CompressError("--lm-head goes with --scheme; a plan says itself whether lm_head is quantized")
-    try:
-        if opts.scheme:
-            layers += [head_layer(cfg)] if opts.lm_head else []
-            layout, plan = layout_from_scheme(opts.scheme, layers, opts.fuse, opts.sign_seed), None
-        else:
-            layout, plan = layout_from_plan(opts.plan, layers, opts.fuse, opts.sign_seed, head_layer(cfg))
-            layers = [l for l in layers + [head_layer(cfg)] if l.name in layout.layers]
-    except UnknownQuantizer as e:
-        raise CompressError(str(e)) from None
-    check_shapes(layout, layers)
+    layout, plan, layers = resolve_layout(cfg, layers, opts.scheme, opts.plan, opts.lm_head, opts.fuse, opts.sign_seed)
     device = resolve_device(opts.device)
     src = SourceCheckpoint(src_dir)
     missing = [f"{l.name}.weight" for l in layers if f"{l.name}.weight" not in src.files

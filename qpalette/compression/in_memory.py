@@ -1,0 +1,60 @@
+"""`qpalette.quantize`: a loaded transformers model quantized in place, with the same modules and
+the same numbers as `compress` followed by loading the checkpoint: the same per-block code
+(blocks.py) fed from the model's own tensors (source.StateDictSource) instead of safetensors
+files, and the stored tensors loaded into the converted model as the loader would."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from qpalette.compression.blocks import other_tensors, quantize_block
+from qpalette.compression.layout import resolve_layout
+from qpalette.compression.source import StateDictSource, half_dtype
+from qpalette.devices import resolve_device
+from qpalette.errors import InputError, ModelError
+from qpalette.models.topology import HEAD, check_config, linear_layers
+from qpalette.quant.palette import get_quantizer
+from qpalette.runtime.checkpoint import convert_model
+from qpalette.runtime.loading import is_quantized
+
+
+def quantize_model(model, plan_or_scheme: str | Path, *, lm_head: bool = False, fuse: bool = True,
+                   sign_seed: int = 0, device: str = "auto"):
+    """Quantize `model` (a transformers causal LM) in place and return it. `plan_or_scheme`: a
+    plan file, or one palette entry for every layer; `device`: where to quantize."""
+    if is_quantized(model):
+        raise InputError("this model is already quantized")
+    cfg = model.config.to_dict()
+    try:
+        check_config(cfg)
+    except ModelError as e:
+        raise InputError(str(e)) from None
+    text = str(plan_or_scheme)
+    scheme = None if Path(text).exists() or text.endswith(".json") else get_quantizer(text).name
+    layout, _, layers = resolve_layout(cfg, linear_layers(cfg), scheme, None if scheme else Path(text), lm_head,
+                                       fuse, sign_seed)
+    src, half, dev = StateDictSource(model.state_dict()), half_dtype(cfg), resolve_device(device)
+    tensors: dict[str, torch.Tensor] = {}
+    for block in range(cfg["num_hidden_layers"]):
+        tensors.update(quantize_block(src, block, layers, layout, dev, half))
+    tensors.update(other_tensors(src, cfg, layout, dev, half))
+    where, dtype = model.device, model.dtype
+    if HEAD in layout.layers:
+        model.config.tie_word_embeddings = False  # the embedding stays 16-bit, lm_head gets its codes
+    convert_model(model, layout, dtype)
+    _load(model, tensors)
+    model.config.quantization_config = layout.to_config()
+    return model.to(where).eval()
+
+
+def _load(model, tensors: dict[str, torch.Tensor]) -> None:
+    """The stored tensors into the converted model (copied, cast to each parameter's dtype, as the
+    loader does); refuse a name the model does not have."""
+    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=False)
+    if unexpected:
+        raise InputError(f"quantized tensors the model has no place for: {unexpected[:3]}")
+    left = [m for m in missing if not m.endswith(("rotary_emb.inv_freq", "lm_head.weight"))]
+    if left:
+        raise InputError(f"model tensors the quantizer did not produce: {left[:3]}")
