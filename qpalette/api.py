@@ -132,15 +132,11 @@ def compress(model: str, plan_or_scheme: str | Path, out_dir: str | Path, *, log
     `options` are the fields of `qpalette.compression.writer.CompressOptions` (fuse, device, resume,
     overwrite, sign_seed, quiet, random_codes, lm_head, hessians: a folder from `hessians` for
     data-aware LDLQ rounding, damp)."""
+    from qpalette.compression.layout import plan_or_scheme as parse
     from qpalette.compression.writer import CompressOptions
     from qpalette.compression.writer import compress as run
-    from qpalette.quant.palette import get_quantizer
 
-    text = str(plan_or_scheme)
-    if Path(text).exists() or text.endswith(".json"):
-        scheme, plan_file = None, Path(text)
-    else:  # an entry name; an unknown one is refused with the palette's list
-        scheme, plan_file = get_quantizer(text).name, None
+    scheme, plan_file = parse(plan_or_scheme)
     opts = CompressOptions(model=model, output=Path(out_dir), plan=plan_file, scheme=scheme, **options)
     return run(opts, log=log)
 

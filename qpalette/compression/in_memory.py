@@ -10,12 +10,12 @@ from pathlib import Path
 import torch
 
 from qpalette.compression.blocks import other_tensors, quantize_block
+from qpalette.compression.layout import plan_or_scheme as parse_plan_or_scheme
 from qpalette.compression.layout import resolve_layout
 from qpalette.compression.source import StateDictSource, half_dtype
 from qpalette.devices import resolve_device
 from qpalette.errors import InputError, ModelError
 from qpalette.models.topology import HEAD, check_config, linear_layers
-from qpalette.quant.palette import get_quantizer
 from qpalette.runtime.checkpoint import convert_model
 from qpalette.runtime.loading import is_quantized
 
@@ -31,10 +31,8 @@ def quantize_model(model, plan_or_scheme: str | Path, *, lm_head: bool = False, 
         check_config(cfg)
     except ModelError as e:
         raise InputError(str(e)) from None
-    text = str(plan_or_scheme)
-    scheme = None if Path(text).exists() or text.endswith(".json") else get_quantizer(text).name
-    layout, _, layers = resolve_layout(cfg, linear_layers(cfg), scheme, None if scheme else Path(text), lm_head,
-                                       fuse, sign_seed)
+    scheme, plan_file = parse_plan_or_scheme(plan_or_scheme)
+    layout, _, layers = resolve_layout(cfg, linear_layers(cfg), scheme, plan_file, lm_head, fuse, sign_seed)
     src, half, dev = StateDictSource(model.state_dict()), half_dtype(cfg), resolve_device(device)
     tensors: dict[str, torch.Tensor] = {}
     for block in range(cfg["num_hidden_layers"]):

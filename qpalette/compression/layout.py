@@ -73,6 +73,15 @@ def check_shapes(layout: Layout, layers: list[LayerShape]) -> None:
 
 
 
+def plan_or_scheme(value: str | Path) -> tuple[str | None, Path | None]:
+    """(scheme, plan file) of the library's `plan_or_scheme` argument: a plan file, or one palette
+    entry for every layer (an unknown entry is refused with the palette's list)."""
+    text = str(value)
+    if Path(text).exists() or text.endswith(".json"):
+        return None, Path(text)
+    return get_quantizer(text).name, None
+
+
 def resolve_layout(cfg: dict, layers: list[LayerShape], scheme: str | None, plan_path: Path | None, lm_head: bool,
                    fuse: bool, seed: int) -> tuple[Layout, Plan | None, list[LayerShape]]:
     """(layout, plan or None, the layers it quantizes) of a scheme or a plan file, shapes checked:

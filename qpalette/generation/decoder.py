@@ -21,7 +21,7 @@ import statistics
 import time
 import warnings
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -46,7 +46,6 @@ class DecodeResult:
     steps: int
     host_step_s: float
     graphs: bool
-    host_times: list[float] = field(default_factory=list)
 
     @property
     def decode_tok_per_s(self) -> float:
@@ -134,7 +133,7 @@ class Decoder:
         prefill_s = time.perf_counter() - t0
         steps, host, decode_s = self._decode(state, sampling, max_new_tokens - 1, reader)
         return DecodeResult(reader.tokens, reader.finished, prefill_s, decode_s, steps,
-                            statistics.median(host) if host else 0.0, self._uses_graphs(state, sampling), host)
+                            statistics.median(host) if host else 0.0, self._uses_graphs(state, sampling))
 
     # ---- setup -----------------------------------------------------------------------------------
     def _batch_for(self, prompts: list[list[int]], max_new_tokens: int) -> _Batch:
@@ -236,7 +235,6 @@ class Decoder:
                 for _ in range(2):
                     step(state, sampling)
             torch.cuda.current_stream(self.device).wait_stream(side)
-            _restore(state, saved)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 step(state, sampling)

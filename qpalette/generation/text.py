@@ -41,7 +41,7 @@ def encode_prompts(tokenizer, prompts: list[str], chat: bool = False) -> list[li
         if chat:
             ids = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                                 tokenize=True)
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids  # a BatchEncoding in transformers 5
         else:
             ids = tokenizer(p)["input_ids"]
         out.append(list(ids))

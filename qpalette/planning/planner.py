@@ -156,41 +156,33 @@ def _from_models(model: str, sens) -> ModelInfo:
 
 def match_sensitivity(layers, sens) -> list[float]:
     """The coefficients of `layers`, in order (an lm_head coefficient the plan does not use is fine)."""
-    names = {l.name for l in layers}
-    missing = [l.name for l in layers if l.name not in sens.coefficients]
-    extra = [n for n in sens.coefficients if n not in names and n != HEAD]
-    if missing or extra:
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} model layer(s) have no coefficient (e.g. {missing[0]})")
-        if extra:
-            parts.append(f"{len(extra)} coefficient(s) name no layer of the model (e.g. {extra[0]})")
-        raise InputError(f"sensitivity file {sens.path} does not match the model: " + "; ".join(parts))
-    for l in layers:
-        s = sens.shapes.get(l.name)
-        if s is not None and tuple(s) != (l.out_features, l.in_features):
-            raise InputError(
-                f"sensitivity file {sens.path}: layer {l.name} is {s[0]}×{s[1]} there but "
-                f"{l.out_features}×{l.in_features} in the model"
-            )
+    _check_layers(layers, sens.coefficients, sens.shapes, f"sensitivity file {sens.path}", "coefficient")
     return [sens.coefficients[l.name] for l in layers]
 
 
 def check_loss_table(layers, table: LossTable) -> None:
     """Refuse a table whose layers or shapes are not the model's (a row for an lm_head the plan
     leaves in 16 bits is fine)."""
+    _check_layers(layers, table.rows, table.shapes, f"loss table {table.path}", "row")
+
+
+def _check_layers(layers, per_layer: dict, shapes: dict, what: str, item: str) -> None:
+    """Refuse a per-layer input file (`what`) with a layer missing, an `item` naming no layer of the
+    model (lm_head aside), or a layer of another shape."""
     names = {l.name for l in layers}
-    missing = [l.name for l in layers if l.name not in table.rows]
-    extra = [n for n in table.rows if n not in names and n != HEAD]
+    missing = [l.name for l in layers if l.name not in per_layer]
+    extra = [n for n in per_layer if n not in names and n != HEAD]
     if missing or extra:
-        parts = [f"{len(missing)} model layer(s) have no row (e.g. {missing[0]})"] if missing else []
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} model layer(s) have no {item} (e.g. {missing[0]})")
         if extra:
-            parts.append(f"{len(extra)} row(s) name no layer of the model (e.g. {extra[0]})")
-        raise InputError(f"loss table {table.path} does not match the model: " + "; ".join(parts))
+            parts.append(f"{len(extra)} {item}(s) name no layer of the model (e.g. {extra[0]})")
+        raise InputError(f"{what} does not match the model: " + "; ".join(parts))
     for l in layers:
-        s = table.shapes.get(l.name)
+        s = shapes.get(l.name)
         if s is not None and tuple(s) != (l.out_features, l.in_features):
-            raise InputError(f"loss table {table.path}: layer {l.name} is {s[0]}×{s[1]} there but "
+            raise InputError(f"{what}: layer {l.name} is {s[0]}×{s[1]} there but "
                              f"{l.out_features}×{l.in_features} in the model")
 
 

@@ -34,7 +34,7 @@ import torch
 from qpalette.errors import UnsupportedShape
 from qpalette.quant.codebooks import codebook
 from qpalette.quant.hadamard import decompose, hadamard_matrix
-from qpalette.quant.incoherence import rotate_input, unpack_signs
+from qpalette.quant.incoherence import rotate_input, unpack_signs, unrotate_weight
 from qpalette.quant.palette import QuantizedMatrix, get_quantizer
 from qpalette.runtime import kernel_build, lanes
 
@@ -279,10 +279,16 @@ def _(x, signs):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def _qmm_reference(x, codes, codes_b, row_scale, quantizer, out_features):
+def _runtime_tensors(codes, codes_b, row_scale) -> dict[str, torch.Tensor]:
+    """The ops' tensor arguments back as the layer's named tensors (the inverse of code_tensors)."""
     tensors = {"row_scale": row_scale}
     tensors.update({"codes_a": codes, "codes_b": codes_b} if codes_b is not None else {"codes": codes})
-    return quantized_matmul_reference(x, quantizer, tensors, (out_features, x.shape[-1]))
+    return tensors
+
+
+def _qmm_reference(x, codes, codes_b, row_scale, quantizer, out_features):
+    return quantized_matmul_reference(x, quantizer, _runtime_tensors(codes, codes_b, row_scale),
+                                      (out_features, x.shape[-1]))
 
 
 @torch.library.custom_op("qpalette::quantized_matmul", mutates_args=())
@@ -374,10 +380,8 @@ def _(x, signs, codes, codes_b, row_scale, quantizer, out_features):
 
 @torch.library.custom_op("qpalette::rotate_transposed", mutates_args=())
 def rotate_transposed(g: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
-    """s ⊙ Hᵀ g: the adjoint of `rotate`, in g's dtype."""
-    from qpalette.quant.hadamard import hadamard_transform
-
-    return (hadamard_transform(g.float(), transpose=True) * unpack_signs(signs).to(g.device)).to(g.dtype)
+    """s ⊙ Hᵀ g: the adjoint of `rotate` (the inverse transform of a weight row), in g's dtype."""
+    return unrotate_weight(g, unpack_signs(signs)).to(g.dtype)
 
 
 @rotate_transposed.register_fake
@@ -386,10 +390,9 @@ def _(g, signs):
 
 
 def _dense_weight_reference(codes, codes_b, row_scale, quantizer, out_features, in_features, dtype):
-    tensors = {"row_scale": row_scale}
-    tensors.update({"codes_a": codes, "codes_b": codes_b} if codes_b is not None else {"codes": codes})
     shape = (out_features, in_features)
-    return dequantize(quantizer, lanes.unpack(quantizer, tensors, shape), shape).to(dtype)
+    tensors = lanes.unpack(quantizer, _runtime_tensors(codes, codes_b, row_scale), shape)
+    return dequantize(quantizer, tensors, shape).to(dtype)
 
 
 @torch.library.custom_op("qpalette::dense_weight", mutates_args=())
