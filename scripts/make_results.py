@@ -265,7 +265,7 @@ def generation(folder: Path) -> list[str]:
     any_run = next(iter(runs.values()))
     out.append(f"{any_run['device']}, {any_run['dtype']}, synthetic Llama-3.1-8B (32 blocks), prompt "
                f"{any_run['prompt_len']} tokens, {any_run['gen_len']} generated, one `qpalette bench --batch-sizes 1,8 "
-               "--prompt-len 16 --gen-len 64` per model in one device session (`results/decoder_h100/README.md`). "
+               "--prompt-len 16 --gen-len 64` per model, one after the other on the same machine (`results/decoder_h100/README.md`). "
                "**decoder** = `qpalette generate`'s decoder (decode steps compiled by inductor and replayed as CUDA "
                "graphs, tokens read back behind the GPU), wall time of the whole decode; **generate** = "
                "transformers' `generate`, static cache, compiled; **loop** = the compiled forward alone (GPU time "

@@ -1,4 +1,4 @@
-"""`qpalette bench` on CPU (harness only; GPU speed is measured through the device tool)."""
+"""`qpalette bench` on CPU (harness only; GPU speed is measured on a CUDA machine)."""
 
 import json
 
