@@ -201,9 +201,9 @@ def generate(model, tokenizer=None, prompts: str | list[str] = "", *, max_new_to
 
 
 def bench(model: str, *, json_out: str | Path | None = None, log: Log = _quiet, **options) -> dict:
-    """Decode tokens/s (generate and the compiled forward loop), also written to `json_out`;
-    `options` are the fields of `qpalette.measure.bench.BenchOptions` (batch_sizes, prompt_len,
-    gen_len, device, compile)."""
+    """Decode tokens/s (qpalette's decoder, transformers' generate, the compiled forward loop), also
+    written to `json_out`; `options` are the fields of `qpalette.measure.bench.BenchOptions`
+    (batch_sizes, prompt_len, gen_len, device, compile, compile_modes, ways)."""
     from qpalette.fileio import atomic_write_json
     from qpalette.measure.bench import BenchOptions
     from qpalette.measure.bench import bench as run

@@ -458,6 +458,11 @@ def bench(
         help="How generate and the loop compile: default (transformers' reduce-overhead), lean (without "
         "dynamo's guards on module state), or both: default,lean.",
     ),
+    ways: str = typer.Option(
+        "decoder,generate,loop", "--ways",
+        help="Which ways to time (comma list): decoder (qpalette's), generate (transformers'), loop (the "
+        "compiled forward alone).",
+    ),
     json_out: Optional[Path] = typer.Option(None, "--json", help=JSON_HELP),
 ) -> None:
     """Decode tokens/s three ways, side by side: qpalette's decoder (what `qpalette generate`
@@ -465,7 +470,8 @@ def bench(
     GPU's time per token). The same harness for original and compressed models."""
     modes = tuple(m.strip() for m in compile_modes.split(",") if m.strip())
     result = api.bench(model, batch_sizes=tuple(_int_list(batch_sizes, "--batch-sizes")), prompt_len=prompt_len,
-                       gen_len=gen_len, device=device, compile=compile, compile_modes=modes, log=_say(json_out))
+                       gen_len=gen_len, device=device, compile=compile, compile_modes=modes,
+                       ways=tuple(w.strip() for w in ways.split(",") if w.strip()), log=_say(json_out))
     _write_json(json_out, result)
 
 

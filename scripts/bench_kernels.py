@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from qpalette.measure import timing as kt
 from qpalette.quant.palette import PALETTE  # noqa: E402
+from qpalette.runtime import ops  # noqa: E402
 
 SHAPES = {
     "q/o 4096x4096": (4096, 4096),
@@ -93,6 +94,9 @@ def main() -> None:
     ap.add_argument("--shapes", default="all", help="comma-separated OUTxIN shapes (default: the six Llama shapes)")
     ap.add_argument("--batches", default="1,2,4,8")
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    ap.add_argument("--rotation-entry", default="tcq-2.0",
+                    help="entry whose layers are also timed with their online rotation, as a separate kernel "
+                         "and fused into the GEMV ('' to skip)")
     ap.add_argument("--gate", action="store_true", help="exit 1 when a regression gate is missed")
     ap.add_argument("--regate", type=Path, help="recompute gates + report of this bench_kernels.json (no GPU)")
     args = ap.parse_args()
@@ -143,6 +147,7 @@ def main() -> None:
         # partial results after every shape (a run cut short keeps what it measured)
         (out / "bench_kernels.partial.json").write_text(json.dumps({"rows": rows_out}, indent=1))
     rot = {n: kt.time_rotate(n, batches, dtype) for n in sorted({c for _, c in shapes.values()})}
+    layer_rot = rotation_layers(args.rotation_entry, shapes, batches, dtype) if args.rotation_entry else {}
     meta = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
         "python": platform.python_version(), "dtype": args.dtype,
@@ -150,11 +155,25 @@ def main() -> None:
         "method": "median of 15 CUDA-graph replays / calls per graph; weights cycled through copies "
                   "totalling >= l2_flush_bytes",
         "rotate_us": {str(n): {str(m): t * 1e6 for m, t in v.items()} for n, v in rot.items()},
+        "rotation_entry": args.rotation_entry,
+        "rotated_layer_us": layer_rot,
     }
     md = report(out, rows_out, batches, meta)
     print(md)
     if args.gate and not all(c["met"] for c in meta["gates"]):
         sys.exit(1)
+
+
+def rotation_layers(entry: str, shapes: dict, batches, dtype) -> dict:
+    """{shape: {"separate"|"fused": {batch: µs}}}: rotation + GEMV of one layer, both ways."""
+    out = {}
+    for label, (r, c) in shapes.items():
+        ways = ("separate", "fused") if ops.gemv_rotates(c) else ("separate",)
+        out[label] = {w: {str(m): t * 1e6 for m, t in kt.time_rotated_layer(entry, r, c, batches, w == "fused",
+                                                                             dtype).items()} for w in ways}
+        print(f"{label:20s} {entry} + rotation " + "  ".join(
+            f"{w}: " + " ".join(f"b{m}={t:.2f}us" for m, t in v.items()) for w, v in out[label].items()), flush=True)
+    return out
 
 
 def report(out: Path, rows, batches, meta) -> str:
@@ -226,6 +245,13 @@ def render(rows, batches, meta) -> str:
     lines += ["## Online Hadamard transform (µs)", ""]
     for n, v in meta["rotate_us"].items():
         lines.append(f"- n = {n}: " + ", ".join(f"b{m} {t:.2f}" for m, t in v.items()))
+    if meta.get("rotated_layer_us"):
+        lines += ["", f"## {meta['rotation_entry']} with its online rotation: separate kernel vs fused into the GEMV (µs)",
+                  "", "| shape | way | " + " | ".join(f"b{m}" for m in batches) + " |",
+                  "|---|---|" + "---|" * len(batches)]
+        for shape, ways in meta["rotated_layer_us"].items():
+            for way, v in ways.items():
+                lines.append(f"| {shape} | {way} | " + " | ".join(f"{v[str(m)]:.2f}" for m in batches) + " |")
     return "\n".join(lines) + "\n"
 
 

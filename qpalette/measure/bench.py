@@ -47,6 +47,10 @@ class BenchOptions:
     compile: bool = True
     seed: int = 0
     compile_modes: tuple[str, ...] = ("default",)
+    ways: tuple[str, ...] = ("decoder", "generate", "loop")
+
+
+WAYS = ("decoder", "generate", "loop")
 
 
 class _StepClock:
@@ -182,28 +186,36 @@ def _measure_batch(model, opts: BenchOptions, b: int, compiled: bool) -> dict:
     row: dict = {"batch_size": b}
     for mode in opts.compile_modes if compiled else ("default",):
         key = "" if mode == "default" else f"_{mode}"
-        steps = decode_step_times(model, b, opts.prompt_len, opts.gen_len, compiled, opts.seed, mode)
-        step = statistics.median(steps)
-        loop, loop_host = decode_loop_times(model, b, opts.prompt_len, opts.gen_len,
-                                            ("reduce-overhead" if mode == "default" else mode) if compiled else None,
-                                            opts.seed)
-        row.update({f"step{key}_s": step, f"tok_per_s{key}": 1 / step, f"throughput_tok_per_s{key}": b / step,
-                    f"steps_timed{key}": len(steps), f"step_p10{key}_s": _pct(steps, 10),
-                    f"step_p90{key}_s": _pct(steps, 90), f"loop{key}_step_s": loop, f"loop{key}_tok_per_s": 1 / loop,
-                    f"loop{key}_throughput_tok_per_s": b / loop, f"loop{key}_host_s": loop_host})
-    row.update(decoder_times(model, b, opts.prompt_len, opts.gen_len, opts.seed))
+        if "generate" in opts.ways:
+            steps = decode_step_times(model, b, opts.prompt_len, opts.gen_len, compiled, opts.seed, mode)
+            step = statistics.median(steps)
+            row.update({f"step{key}_s": step, f"tok_per_s{key}": 1 / step, f"throughput_tok_per_s{key}": b / step,
+                        f"steps_timed{key}": len(steps), f"step_p10{key}_s": _pct(steps, 10),
+                        f"step_p90{key}_s": _pct(steps, 90)})
+        if "loop" in opts.ways:
+            loop, loop_host = decode_loop_times(
+                model, b, opts.prompt_len, opts.gen_len,
+                ("reduce-overhead" if mode == "default" else mode) if compiled else None, opts.seed)
+            row.update({f"loop{key}_step_s": loop, f"loop{key}_tok_per_s": 1 / loop,
+                        f"loop{key}_throughput_tok_per_s": b / loop, f"loop{key}_host_s": loop_host})
+    if "decoder" in opts.ways:
+        row.update(decoder_times(model, b, opts.prompt_len, opts.gen_len, opts.seed))
     return row
 
 
 def _describe(row: dict, modes) -> str:
-    parts = [f"batch {row['batch_size']}: decoder {row['decoder_tok_per_s']:8.1f} tok/s per sequence "
-             f"(host {row['decoder_host_step_s'] * 1e3:.3f} ms a step, CUDA graphs "
-             f"{'on' if row['decoder_cuda_graphs'] else 'off'})"]
+    parts = [f"batch {row['batch_size']}"]
+    if "decoder_tok_per_s" in row:
+        parts.append(f"decoder {row['decoder_tok_per_s']:8.1f} tok/s per sequence "
+                     f"(host {row['decoder_host_step_s'] * 1e3:.3f} ms a step, CUDA graphs "
+                     f"{'on' if row['decoder_cuda_graphs'] else 'off'})")
     for mode in modes:
         key = "" if mode == "default" else f"_{mode}"
         if f"tok_per_s{key}" in row:
-            parts.append(f"[{mode}] generate {row[f'tok_per_s{key}']:8.1f}, forward loop {row[f'loop{key}_tok_per_s']:8.1f} "
-                         f"tok/s (host {row[f'loop{key}_host_s'] * 1e3:.3f} ms a call)")
+            parts.append(f"[{mode}] generate {row[f'tok_per_s{key}']:8.1f} tok/s")
+        if f"loop{key}_tok_per_s" in row:
+            parts.append(f"[{mode}] forward loop {row[f'loop{key}_tok_per_s']:8.1f} tok/s "
+                         f"(host {row[f'loop{key}_host_s'] * 1e3:.3f} ms a call)")
     return "; ".join(parts)
 
 
@@ -216,6 +228,8 @@ def bench(opts: BenchOptions, log: Callable[[str], None] = print) -> dict:
     unknown = set(opts.compile_modes) - set(MODES)
     if unknown or not opts.compile_modes:
         raise InputError(f"--compile-modes {','.join(opts.compile_modes)}: choose from {', '.join(MODES)}")
+    if not opts.ways or set(opts.ways) - set(WAYS):
+        raise InputError(f"--ways {','.join(opts.ways)}: choose from {', '.join(WAYS)}")
     try:
         path = resolve_model(opts.model, quiet=True)
     except ModelError as e:
@@ -236,6 +250,7 @@ def bench(opts: BenchOptions, log: Callable[[str], None] = print) -> dict:
         "dtype": str(model.dtype).removeprefix("torch."),
         "compiled": compiled,
         "compile_modes": list(opts.compile_modes) if compiled else [],
+        "ways": list(opts.ways),
         "quantized": "quantization_config" in model.config.to_dict(),
         "cpu_decoded_weight_bytes": decoded_bytes() if device.type == "cpu" else None,
         "prompt_len": opts.prompt_len,

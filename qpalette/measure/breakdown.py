@@ -27,9 +27,9 @@ from qpalette.measure.bench import DecodeLoop, decode_loop_step_time
 from qpalette.runtime.loading import load_model
 
 KINDS = (  # first match wins: (kind, substrings of the kernel name, lower case)
-    ("qpalette matmul", ("qmm_kernel",)),
-    ("qpalette dequantize", ("dequant_kernel",)),
-    ("online Hadamard", ("hadamard_kernel",)),
+    ("qpalette matmul", ("qp::gemv_kernel", "qmm_kernel")),
+    ("qpalette dequantize", ("qp::dequant_kernel",)),
+    ("online Hadamard", ("hadamard_",)),
     # inductor names a kernel after the ops it fused: those fused with SDPA count here too
     ("attention (cuDNN SDPA + inductor kernels fused with it)", ("flash", "fmha", "attention", "sdpa")),
     ("cuBLAS GEMM/GEMV", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "splitk")),

@@ -96,6 +96,28 @@ def time_rotate(n: int, batches, dtype=torch.float16) -> dict[int, float]:
     return out
 
 
+def time_rotated_layer(name: str, rows: int, cols: int, batches, fused: bool, dtype=torch.float16,
+                       gen: torch.Generator | None = None) -> dict[int, float]:
+    """{batch: seconds} of one layer's online rotation and matmul as a decode step runs them: the
+    rotation kernel then the GEMV (`fused` False), or the GEMV rotating x in its prologue."""
+    from qpalette.quant.incoherence import pack_signs, random_signs
+
+    signs = pack_signs(random_signs(cols, seed=0)).cuda()
+    first = lanes.pack(name, get_quantizer(name).random_tensors(rows, cols, gen, "cuda"))
+    layers = [first] + [lanes.pack(name, get_quantizer(name).random_tensors(rows, cols, gen, "cuda"))
+                        for _ in range(copies_for(stored_bytes(first)) - 1)]
+    out = {}
+    for m in batches:
+        x = torch.randn(m, cols, device="cuda", dtype=dtype)
+        if fused:
+            calls = [lambda t=t: ops.rotated_matmul(x, signs, name, t, (rows, cols)) for t in layers]
+        else:
+            calls = [lambda t=t: ops.quantized_matmul(ops.rotate(x, signs), name, t, (rows, cols)) for t in layers]
+        out[m] = time_graph(calls)
+    del layers
+    return out
+
+
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     """Bytes/s of a device-to-device copy, counting bytes read plus bytes written."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()

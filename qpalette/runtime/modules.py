@@ -163,7 +163,7 @@ class QuantizedLinear(_CallCache, _KeepsFp16):
                 self.to_lane_major()
             ops.prepare(x, self.quantizer.name)
             shape = (self.out_features, self.in_features)
-            if ops.fuses_rotation(self.in_features):  # the GEMV rotates x itself
+            if ops.fuses_rotation(self.in_features, x.numel() // self.in_features):  # the GEMV rotates x itself
                 y = ops.rotated_matmul(x, self.rotation.signs, self.quantizer.name, self.stored_tensors(), shape)
             else:  # one rotation shared by the input group
                 y = ops.quantized_matmul(self.rotation(x), self.quantizer.name, self.stored_tensors(), shape)

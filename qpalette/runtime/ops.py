@@ -78,18 +78,25 @@ def rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     return torch.ops.qpalette.rotate(x, signs)
 
 
+FUSED_ROTATION_AUTO_ROWS = 1  # "auto": the GEMV rotates x itself up to this many activation rows
+
+
 @torch.compiler.assume_constant_result
-def _fused_rotation_on() -> bool:
-    return os.environ.get("QPALETTE_FUSED_ROTATION", "0") == "1"
+def _fused_rotation_mode() -> str:
+    mode = os.environ.get("QPALETTE_FUSED_ROTATION", "auto")
+    return {"1": "on", "0": "off"}.get(mode, "auto")
 
 
-def fuses_rotation(in_features: int) -> bool:
-    """Whether the layers call `rotated_matmul` (the GEMV rotates x itself) for this input size,
-    else one rotation shared by the input group and `quantized_matmul`. Opt-in
-    (QPALETTE_FUSED_ROTATION=1) while it does not win everywhere: measured on the H100 (16-block
-    8B synthetic, 2-bit) it gains 9% in the compiled batch-1 loop but loses 12% at batch 8 and
-    17% through eager generate (results/kernels_h100/v2/README.md)."""
-    return _fused_rotation_on() and gemv_rotates(in_features)
+def fuses_rotation(in_features: int, rows: int) -> bool:
+    """Whether a layer calls `rotated_matmul` (the GEMV rotates x itself) for this input size and
+    number of activation rows, else one rotation shared by the input group and `quantized_matmul`.
+    QPALETTE_FUSED_ROTATION=1 / 0 forces either; the default fuses at batch 1 only, where the
+    measurements on the H100 favour it (results/kernels_h100/v2/README.md): the fused prologue
+    transforms the rows one after another, so at batch 8 the shared rotation kernel wins."""
+    if not gemv_rotates(in_features):
+        return False
+    mode = _fused_rotation_mode()
+    return mode == "on" or (mode == "auto" and rows <= FUSED_ROTATION_AUTO_ROWS)
 
 
 def gemv_rotates(n: int) -> bool:
@@ -251,6 +258,18 @@ def _pdl() -> bool:
     return os.environ.get("QPALETTE_PDL", "1") != "0"
 
 
+_hopper: dict[int, bool] = {}
+
+
+def _pdl_on(device: torch.device) -> bool:
+    """Programmatic dependent launch for the rotation kernel: Hopper or newer (the GEMV's launcher
+    checks the device itself)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _hopper:
+        _hopper[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
+    return _pdl() and _hopper[idx]
+
+
 # ---- custom ops: the reference for every device, the kernels for CUDA ----------------------------
 
 @torch.library.custom_op("qpalette::rotate", mutates_args=())
@@ -269,7 +288,7 @@ def _rotate_cuda(x, signs):
     hk = _hadamard_factor(k, dev) if k > 1 else None
     with torch.cuda.device(dev):
         y = kernel_build.extension(dev).hadamard(
-            x2, signs.contiguous(), hk, k, p2, _stream(dev), _num_sms(dev), None
+            x2, signs.contiguous(), hk, k, p2, _stream(dev), _num_sms(dev), _pdl_on(dev), None
         )
     return y.reshape(x.shape)
 

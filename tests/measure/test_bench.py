@@ -27,11 +27,22 @@ def test_bench_original_and_compressed(tiny_llama_dir, tmp_path):
         assert r["quantized"] == (d != tiny_llama_dir) and r["format"] == "qpalette.bench/2"
 
 
+def test_bench_some_ways(tiny_llama_dir, tmp_path):
+    out = tmp_path / "b.json"
+    res = runner.invoke(app, ["bench", str(tiny_llama_dir), "--batch-sizes", "2", "--gen-len", "5", "--prompt-len",
+                              "4", "--device", "cpu", "--ways", "loop", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["loop_tok_per_s"] > 0 and "tok_per_s" not in row and "decoder_tok_per_s" not in row
+    assert "forward loop" in res.output and "decoder" not in res.output
+
+
 def test_bench_errors(tmp_path):
     for args, msg in ((["bench", "/no/such/dir"], "no such"),
                       (["bench", "smollm2-135m", "--batch-sizes", "x"], "--batch-sizes"),
                       (["bench", "smollm2-135m", "--device", "tpu"], "bad --device"),
-                      (["bench", "smollm2-135m", "--compile-modes", "fast"], "--compile-modes")):
+                      (["bench", "smollm2-135m", "--compile-modes", "fast"], "--compile-modes"),
+                      (["bench", "smollm2-135m", "--ways", "fast"], "--ways")):
         res = runner.invoke(app, args)
         assert res.exit_code == 2 and msg in res.output and "Traceback" not in res.output, res.output
 

@@ -140,9 +140,12 @@ def test_every_entry_has_a_kernel(ext):
         assert ops.kernel_spec(name).family in ext.FAMILY_CODES
 
 
-@pytest.mark.parametrize("n", [64, 576, 1536, 4096, 6144, 11008, 14336])
+@pytest.mark.parametrize("n", [64, 128, 576, 1536, 4096, 6144, 8192, 11008, 14336, 28672])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_hadamard_kernel(ext, n, dtype):
+@pytest.mark.parametrize("pdl", [False, True])
+def test_hadamard_kernel(ext, n, dtype, pdl):
+    """Both kernels (segments mixed first for K ≤ 64 and 2^m ≤ 4096, else whole rows per block)
+    against the float64 reference, launched with and without programmatic dependent launch."""
     gen = torch.Generator().manual_seed(n)
     signs = pack_signs(random_signs(n, seed=n)).cuda()
     for rows in (1, 3, 8, 33):
@@ -152,7 +155,7 @@ def test_hadamard_kernel(ext, n, dtype):
         hk = ops._hadamard_factor(k, x.device) if k > 1 else None
         out = torch.full_like(x, float("nan"))
         ext.hadamard(x, signs, hk, k, p2, torch.cuda.current_stream().cuda_stream,
-                     torch.cuda.get_device_properties(0).multi_processor_count, out)
+                     torch.cuda.get_device_properties(0).multi_processor_count, pdl, out)
         assert rel_err(out.cpu(), ref) <= TOL
         y = ops.rotate(x.reshape(rows, 1, n), signs)
         assert y.shape == (rows, 1, n) and y.dtype == dtype

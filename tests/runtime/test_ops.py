@@ -46,8 +46,11 @@ def test_rotated_matmul_is_rotate_then_matmul(name):
                           (x, signs, codes, codes_b, tensors["row_scale"], get_quantizer(name).name, rows))
 
 
-def test_fused_rotation_sizes_and_opt_in(monkeypatch):
-    assert not ops.fuses_rotation(4096)  # off by default
+def test_fused_rotation_sizes_and_modes(monkeypatch):
+    monkeypatch.delenv("QPALETTE_FUSED_ROTATION", raising=False)
+    assert ops.fuses_rotation(4096, 1) and not ops.fuses_rotation(4096, 2)  # auto: batch 1 only
     monkeypatch.setenv("QPALETTE_FUSED_ROTATION", "1")
-    assert ops.fuses_rotation(4096) and ops.fuses_rotation(128) and not ops.fuses_rotation(8192)
-    assert not ops.fuses_rotation(576) and not ops.fuses_rotation(14336) and not ops.fuses_rotation(64)
+    assert ops.fuses_rotation(4096, 8) and ops.fuses_rotation(128, 1) and not ops.fuses_rotation(8192, 1)
+    assert not ops.fuses_rotation(576, 1) and not ops.fuses_rotation(14336, 1) and not ops.fuses_rotation(64, 1)
+    monkeypatch.setenv("QPALETTE_FUSED_ROTATION", "0")
+    assert not ops.fuses_rotation(4096, 1)

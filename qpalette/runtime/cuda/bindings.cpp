@@ -111,7 +111,7 @@ at::Tensor dequant(const at::Tensor& codes_a, const c10::optional<at::Tensor>& c
 }
 
 at::Tensor hadamard(const at::Tensor& x, const at::Tensor& signs, const c10::optional<at::Tensor>& hk,
-                    int64_t k, int64_t p2, int64_t stream, int64_t num_sms,
+                    int64_t k, int64_t p2, int64_t stream, int64_t num_sms, bool pdl,
                     const c10::optional<at::Tensor>& out) {
   check_cuda(x, "x");
   check_cuda(signs, "signs");
@@ -125,7 +125,7 @@ at::Tensor hadamard(const at::Tensor& x, const at::Tensor& signs, const c10::opt
   const int rc = qp::hadamard(x.data_ptr(), y.data_ptr(), signs.data_ptr<uint8_t>(),
                               k > 1 ? hk->data_ptr<int8_t>() : nullptr, static_cast<int>(x.size(0)), n,
                               static_cast<int>(k), static_cast<int>(p2), dtype_code(x),
-                              static_cast<int>(num_sms),
+                              static_cast<int>(num_sms), pdl ? 1 : 0,
                               reinterpret_cast<void*>(stream));
   check(rc, "qpalette Hadamard transform");
   return y;

@@ -1,14 +1,26 @@
 // Online Hadamard transform y = H(s ⊙ x), H = (H_K ⊗ H_{2^m})/√n (qpalette/hadamard.py), over
-// each row of x. One block per (row, slice): the row, sign-flipped, goes to shared memory in
-// fp32; the 2^m-point Sylvester butterflies run on each of the K segments (natural order, the
-// same as the reference's); then each block writes its slice of the K outputs of every column
-// b: y[a'·2^m + b] = Σ_a H_K[a', a] z[a·2^m + b] / √n. With K = 1 there is one slice. Several
-// slices per row (each redoing the cheap butterflies) spread the dense K part over the GPU
-// when there are few rows (decode).
+// each row of x; y[a·2^m + b] holds segment a, point b.
+//
+// hadamard_rows_kernel (2^m = 8..4096, K ≤ 64): one block per (segment a', row). Thread t first mixes the K
+// segments' chunk t (elements 8t..8t+7): w = Σ_a H_K[a', a] (s ⊙ x)[a·2^m + 8t + ·] (the K factor
+// applied first: the two Kronecker factors commute), then the 2^m-point transform of w runs in
+// registers, shuffles and one shared-memory transpose (qpalette_fwht.cuh) and writes segment a'.
+// K = 1 is the power-of-two case. Each block reads the row (L2), so a decode row is spread over K
+// blocks instead of one block redoing all butterflies.
+//
+// hadamard_segments_kernel (the other shapes, up to n = 32768): one block per (row, slice): the row, sign-flipped,
+// goes to shared memory in fp32; the 2^m-point butterflies run on each of the K segments; then
+// each block writes its slice of the K outputs of every column b.
+//
+// Both read x only after `griddepcontrol.wait` and let the next kernel start its prologue at once
+// (programmatic dependent launch on Hopper): the GEMV that consumes y fetches its table and first
+// codes while the rotation runs.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "qpalette_fwht.cuh"
+#include "qpalette_hopper.cuh"
 #include "qpalette_kernels.h"
 
 namespace qp {
@@ -32,11 +44,13 @@ __device__ __forceinline__ void st<__nv_bfloat16>(__nv_bfloat16* p, long long i,
 }
 
 template <class T>
-__global__ void __launch_bounds__(512) hadamard_kernel(const T* __restrict__ x, T* __restrict__ y,
+__global__ void __launch_bounds__(512) hadamard_segments_kernel(const T* __restrict__ x, T* __restrict__ y,
                                                        const uint8_t* __restrict__ signs,
                                                        const int8_t* __restrict__ hk, int n, int k,
                                                        int p2, float scale) {
   extern __shared__ float z[];
+  pdl_launch_dependents();
+  pdl_wait();
   const long long row = blockIdx.x;
   const T* xr = x + row * n;
   T* yr = y + row * n;
@@ -122,13 +136,70 @@ __global__ void __launch_bounds__(512) hadamard_kernel(const T* __restrict__ x, 
   }
 }
 
+constexpr int ROWS_MAX_P2 = 4096;  // 8 elements a thread, at most 512 threads
+constexpr int ROWS_MAX_K = 64;     // segments a thread mixes (a load each)
+
+template <class T>
+__global__ void __launch_bounds__(ROWS_MAX_P2 / 8) hadamard_rows_kernel(const T* __restrict__ x, T* __restrict__ y,
+                                                               const uint8_t* __restrict__ signs,
+                                                               const int8_t* __restrict__ hk, int n, int k,
+                                                               int log2p2, float scale) {
+  __shared__ __align__(16) float z[ROWS_MAX_P2];
+  pdl_launch_dependents();
+  const int seg = blockIdx.x, t = threadIdx.x, p2 = 1 << log2p2;
+  const long long row = blockIdx.y;
+  const bool active = t < p2 / 8;
+  const T* xr = x + row * n;
+  float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  pdl_wait();
+  if (active) {
+#pragma unroll 8
+    for (int a = 0; a < k; ++a) {
+      const int chunk = (a * p2) / 8 + t;
+      float w[8];
+      signed_chunk<T>(__ldg(reinterpret_cast<const uint4*>(xr) + chunk), __ldg(signs + chunk), w);
+      const bool neg = k > 1 && __ldg(hk + seg * k + a) < 0;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[e] += neg ? -w[e] : w[e];
+    }
+  }
+  fwht_row<T>(v, log2p2, scale, z, y + row * n + static_cast<long long>(seg) * p2);
+}
+
+// launch with programmatic stream serialization where asked for (Hopper)
+template <class K, class... Args>
+int launch_pdl(K kern, dim3 grid, dim3 block, size_t smem, void* stream, bool pdl, Args... args) {
+  cudaLaunchConfig_t cfg{};
+  cudaLaunchAttribute attr[1];
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = static_cast<cudaStream_t>(stream);
+  if (pdl) {
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+  }
+  if (cudaError_t e = cudaLaunchKernelEx(&cfg, kern, args...)) return e;
+  return cudaGetLastError();
+}
+
 template <class T>
 int launch(const void* x, void* y, const uint8_t* signs, const int8_t* hk, int rows, int n, int k,
-           int p2, int num_sms, void* stream) {
+           int p2, int num_sms, bool pdl, void* stream) {
   if (rows == 0) return 0;
+  const float scale = rsqrtf(static_cast<float>(n));
+  const T* xt = static_cast<const T*>(x);
+  T* yt = static_cast<T*>(y);
+  if (p2 >= 8 && p2 <= ROWS_MAX_P2 && k <= ROWS_MAX_K && rows <= 65535) {
+    const int threads = p2 / 8 < 32 ? 32 : p2 / 8;
+    return launch_pdl(hadamard_rows_kernel<T>, dim3(k, rows), dim3(threads), 0, stream, pdl, xt, yt, signs, hk, n, k,
+                      __builtin_ctz(p2), scale);
+  }
   const size_t smem = static_cast<size_t>(n) * sizeof(float);
   if (smem > 48 * 1024) {
-    cudaError_t e = cudaFuncSetAttribute(hadamard_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    cudaError_t e = cudaFuncSetAttribute(hadamard_segments_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(smem));
     if (e != cudaSuccess) return e;
   }
@@ -140,18 +211,17 @@ int launch(const void* x, void* y, const uint8_t* signs, const int8_t* hk, int r
   }
   int threads = n / 8;
   threads = threads < 128 ? 128 : (threads > 512 ? 512 : threads);
-  hadamard_kernel<T><<<dim3(rows, slices), threads, smem, static_cast<cudaStream_t>(stream)>>>(
-      static_cast<const T*>(x), static_cast<T*>(y), signs, hk, n, k, p2, rsqrtf(static_cast<float>(n)));
-  return cudaGetLastError();
+  return launch_pdl(hadamard_segments_kernel<T>, dim3(rows, slices), dim3(threads), smem, stream, pdl, xt, yt, signs, hk,
+                    n, k, p2, scale);
 }
 
 }  // namespace
 
 int hadamard(const void* x, void* y, const uint8_t* signs, const int8_t* hk, int rows, int n, int k,
-             int p2, int dtype, int num_sms, void* stream) {
-  if (k * p2 != n || (p2 & (p2 - 1)) != 0) return -1;
-  return dtype == BF16 ? launch<__nv_bfloat16>(x, y, signs, hk, rows, n, k, p2, num_sms, stream)
-                       : launch<__half>(x, y, signs, hk, rows, n, k, p2, num_sms, stream);
+             int p2, int dtype, int num_sms, int pdl, void* stream) {
+  if (k * p2 != n || (p2 & (p2 - 1)) != 0) return UNSUPPORTED;
+  return dtype == BF16 ? launch<__nv_bfloat16>(x, y, signs, hk, rows, n, k, p2, num_sms, pdl != 0, stream)
+                       : launch<__half>(x, y, signs, hk, rows, n, k, p2, num_sms, pdl != 0, stream);
 }
 
 }  // namespace qp

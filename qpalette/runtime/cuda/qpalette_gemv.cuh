@@ -21,7 +21,6 @@
 // consecutive ranges of groups; a warp decodes each group with its segment's decoder.
 #pragma once
 
-#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -31,6 +30,8 @@
 #include <tuple>
 #include <type_traits>
 
+#include "qpalette_fwht.cuh"
+#include "qpalette_hopper.cuh"
 #include "qpalette_kernels.h"
 #include "qpalette_lanes.cuh"
 
@@ -87,20 +88,6 @@ struct GemvParams {
   float rot_scale;     // 1/√n
 };
 
-// Hopper features (programmatic dependent launch, clusters); on sm_80 the launcher uses neither.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-__device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
-__device__ __forceinline__ int cluster_rank() { return static_cast<int>(cooperative_groups::this_cluster().block_rank()); }
-__device__ __forceinline__ void cluster_sync() { cooperative_groups::this_cluster().sync(); }
-__device__ __forceinline__ float4* cluster_rank0(float4* p) { return cooperative_groups::this_cluster().map_shared_rank(p, 0); }
-#else
-__device__ __forceinline__ void pdl_launch_dependents() {}
-__device__ __forceinline__ void pdl_wait() {}
-__device__ __forceinline__ int cluster_rank() { return 0; }
-__device__ __forceinline__ void cluster_sync() { __trap(); }
-__device__ __forceinline__ float4* cluster_rank0(float4* p) { return p; }
-#endif
 
 __device__ __forceinline__ uint4 ld_stream4(const uint4* p) {
   uint4 v;
@@ -242,41 +229,12 @@ __device__ __forceinline__ void stage_x(const GemvParams& p, uint32_t* xs, int r
 }
 
 // Staging with the rotation fused: x ← H(s ⊙ x)/√n, n = 2^p (128..4096), in fp32, rounded to the
-// activation dtype into the x buffer: the reference's numbers. Thread t of the first n/8 holds
-// elements 8t..8t+7: index bits 0-2 are butterflies in registers, bits 3-7 butterflies between
-// lanes (shuffles); bits 8.. (n > 256) go through one transpose in shared memory z (double
-// buffered by row, so one barrier a row): thread t' then holds 8 elements whose bits 8..10 vary
-// (n = 4096: bit 11 between lanes t' and t' ^ 1). The next row's x is loaded while this one is
-// transformed. Needs the whole, unpadded K in this CTA (cs = 1, cols = groups · 128).
-__device__ __forceinline__ void butterflies_in_registers(float (&v)[8], int levels) {
-#pragma unroll
-  for (int l = 0; l < 3; ++l)
-    if (l < levels)
-#pragma unroll
-      for (int k = 0; k < 8; ++k)
-        if (!(k & (1 << l))) {
-          const float a = v[k], c = v[k | (1 << l)];
-          v[k] = a + c;
-          v[k | (1 << l)] = a - c;
-        }
-}
-__device__ __forceinline__ void butterflies_between_lanes(float (&v)[8], int lane_mask) {
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int k = 0; k < 8; ++k) {
-    const float o = __shfl_xor_sync(0xffffffffu, v[k], lane_mask);
-    v[k] = lane & lane_mask ? o - v[k] : v[k] + o;
-  }
-}
-// phase-2 element of thread t', register k (r = p − 8 transposed bits)
-__device__ __forceinline__ int phase2_index(int t, int k, int r) {
-  if (r == 4) return (k << 8) | ((t & 1) << 11) | (t >> 1);
-  return ((k & ((1 << r) - 1)) << 8) | (k >> r) | (t << (3 - r));
-}
-
+// activation dtype into the x buffer (qpalette_fwht.cuh), row by row; z is double buffered by row,
+// so one barrier a row, and the next row's x is loaded while this one is transformed. Needs the
+// whole, unpadded K in this CTA (cs = 1, cols = groups · 128).
 template <class T>
 __device__ __forceinline__ void stage_x_rotated(const GemvParams& p, uint32_t* xs, float* z) {
-  const int n = 1 << p.log2n, xsw = p.cgc * 64 + 4, r = p.log2n - 8;
+  const int n = 1 << p.log2n, xsw = p.cgc * 64 + 4;
   const int t = threadIdx.x, active = t < n / 8;
   const uint32_t sb = active ? p.signs[t] : 0u;
   auto load = [&](int row) {
@@ -287,35 +245,9 @@ __device__ __forceinline__ void stage_x_rotated(const GemvParams& p, uint32_t* x
   for (int row = 0; row < p.m; ++row) {
     const uint4 cur = next;
     next = load(row + 1);
-    const T* e = reinterpret_cast<const T*>(&cur);
     float v[8];
-#pragma unroll
-    for (int k = 0; k < 8; ++k) v[k] = (sb >> (7 - k)) & 1u ? -Act<T>::to_float(e[k]) : Act<T>::to_float(e[k]);
-    butterflies_in_registers(v, 3);
-    for (int b = 3; b < p.log2n && b < 8; ++b) butterflies_between_lanes(v, 1 << (b - 3));
-    T* out = reinterpret_cast<T*>(xs + row * xsw);
-    if (r <= 0) {
-      if (active) {
-        T o[8];
-#pragma unroll
-        for (int k = 0; k < 8; ++k) o[k] = Act<T>::from_float(v[k] * p.rot_scale);
-        *reinterpret_cast<uint4*>(out + 8 * t) = *reinterpret_cast<const uint4*>(o);
-      }
-      continue;
-    }
-    float* zb = z + (row & 1) * n;
-    if (active) {
-      reinterpret_cast<float4*>(zb)[2 * t] = make_float4(v[0], v[1], v[2], v[3]);
-      reinterpret_cast<float4*>(zb)[2 * t + 1] = make_float4(v[4], v[5], v[6], v[7]);
-    }
-    __syncthreads();
-#pragma unroll
-    for (int k = 0; k < 8; ++k) v[k] = active ? zb[phase2_index(t, k, r)] : 0.f;
-    butterflies_in_registers(v, r < 3 ? r : 3);
-    if (r == 4) butterflies_between_lanes(v, 1);
-    if (active)
-#pragma unroll
-      for (int k = 0; k < 8; ++k) out[phase2_index(t, k, r)] = Act<T>::from_float(v[k] * p.rot_scale);
+    signed_chunk<T>(cur, sb, v);
+    fwht_row<T>(v, p.log2n, p.rot_scale, z + (row & 1) * n, reinterpret_cast<T*>(xs + row * xsw));
   }
 }
 

@@ -56,9 +56,10 @@ int gemv(const GemvArgs& a, int family, int p0, int p1);
 int dequant(const DequantArgs& a, int family, int p0, int p1);
 
 // y = H(s ⊙ x) row by row: x, y (rows, n) in dtype; signs bit-packed (n/8); hk the ±1 int8
-// factor H_K (K·K, row-major; nullptr when K = 1); n = K·p2, p2 a power of two.
+// factor H_K (K·K, row-major; nullptr when K = 1); n = K·p2, p2 a power of two; pdl: launch as a
+// programmatic dependent launch (Hopper only).
 int hadamard(const void* x, void* y, const uint8_t* signs, const int8_t* hk, int rows, int n, int k,
-             int p2, int dtype, int num_sms, void* stream);
+             int p2, int dtype, int num_sms, int pdl, void* stream);
 
 // cudaGetErrorString of a return code above.
 const char* error_string(int rc);

@@ -1,0 +1,97 @@
+// The power-of-two Walsh–Hadamard transform of one row held 8 elements a thread, shared by the
+// standalone rotation kernel (hadamard.cu) and the GEMV's fused rotation (qpalette_gemv.cuh).
+//
+// n = 2^p points (p = 3..12), thread t < n/8 holding elements 8t..8t+7 in fp32: index bits 0-2
+// are butterflies in registers, bits 3-7 butterflies between lanes (shuffles); bits 8.. (n > 256)
+// go through one transpose in shared memory z (n floats): thread t then holds 8 elements whose
+// bits 8..10 vary (n = 4096: bit 11 between lanes t and t ^ 1). Sylvester order, the same numbers
+// as the reference's butterflies up to fp32 rounding. Every thread of the block calls it (one
+// barrier when n > 256); threads t ≥ n/8 hold zeros and write nothing.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+namespace qp {
+
+template <class T>
+struct Cvt;
+template <>
+struct Cvt<__half> {
+  static __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+  static __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
+};
+template <>
+struct Cvt<__nv_bfloat16> {
+  static __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+  static __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
+};
+
+__device__ __forceinline__ void butterflies_in_registers(float (&v)[8], int levels) {
+#pragma unroll
+  for (int l = 0; l < 3; ++l)
+    if (l < levels)
+#pragma unroll
+      for (int k = 0; k < 8; ++k)
+        if (!(k & (1 << l))) {
+          const float a = v[k], c = v[k | (1 << l)];
+          v[k] = a + c;
+          v[k | (1 << l)] = a - c;
+        }
+}
+
+__device__ __forceinline__ void butterflies_between_lanes(float (&v)[8], int lane_mask) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const float o = __shfl_xor_sync(0xffffffffu, v[k], lane_mask);
+    v[k] = lane & lane_mask ? o - v[k] : v[k] + o;
+  }
+}
+
+// phase-2 element of thread t, register k (r = p − 8 transposed bits)
+__device__ __forceinline__ int phase2_index(int t, int k, int r) {
+  if (r == 4) return (k << 8) | ((t & 1) << 11) | (t >> 1);
+  return ((k & ((1 << r) - 1)) << 8) | (k >> r) | (t << (3 - r));
+}
+
+// v (this thread's 8 elements, signs applied) → out[0..n) = scale · H_n v, rounded to T.
+template <class T>
+__device__ __forceinline__ void fwht_row(float (&v)[8], int log2n, float scale, float* z, T* out) {
+  const int t = threadIdx.x, r = log2n - 8;
+  const bool active = t < (1 << log2n) / 8;
+  butterflies_in_registers(v, 3);
+  for (int b = 3; b < log2n && b < 8; ++b) butterflies_between_lanes(v, 1 << (b - 3));
+  if (r <= 0) {
+    if (active) {
+      T o[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) o[k] = Cvt<T>::from_float(v[k] * scale);
+      *reinterpret_cast<uint4*>(out + 8 * t) = *reinterpret_cast<const uint4*>(o);
+    }
+    return;
+  }
+  if (active) {
+    reinterpret_cast<float4*>(z)[2 * t] = make_float4(v[0], v[1], v[2], v[3]);
+    reinterpret_cast<float4*>(z)[2 * t + 1] = make_float4(v[4], v[5], v[6], v[7]);
+  }
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < 8; ++k) v[k] = active ? z[phase2_index(t, k, r)] : 0.f;
+  butterflies_in_registers(v, r < 3 ? r : 3);
+  if (r == 4) butterflies_between_lanes(v, 1);
+  if (active)
+#pragma unroll
+    for (int k = 0; k < 8; ++k) out[phase2_index(t, k, r)] = Cvt<T>::from_float(v[k] * scale);
+}
+
+// the 8 elements of a 16-byte chunk, sign byte `sb` applied (bit 7 − k set ⇔ element k negated)
+template <class T>
+__device__ __forceinline__ void signed_chunk(const uint4& raw, uint32_t sb, float (&v)[8]) {
+  const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) v[k] = (sb >> (7 - k)) & 1u ? -Cvt<T>::to_float(e[k]) : Cvt<T>::to_float(e[k]);
+}
+
+}  // namespace qp

@@ -1,0 +1,25 @@
+// Hopper features the kernels use where the GPU has them: programmatic dependent launch (PDL) and
+// thread-block clusters. On older GPUs the PDL calls are no-ops and the launchers use neither.
+#pragma once
+
+#include <cooperative_groups.h>
+
+namespace qp {
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// let the next kernel in the stream start its prologue now
+__device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+// wait until the previous kernel has finished and its writes are visible
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+__device__ __forceinline__ int cluster_rank() { return static_cast<int>(cooperative_groups::this_cluster().block_rank()); }
+__device__ __forceinline__ void cluster_sync() { cooperative_groups::this_cluster().sync(); }
+__device__ __forceinline__ float4* cluster_rank0(float4* p) { return cooperative_groups::this_cluster().map_shared_rank(p, 0); }
+#else
+__device__ __forceinline__ void pdl_launch_dependents() {}
+__device__ __forceinline__ void pdl_wait() {}
+__device__ __forceinline__ int cluster_rank() { return 0; }
+__device__ __forceinline__ void cluster_sync() { __trap(); }
+__device__ __forceinline__ float4* cluster_rank0(float4* p) { return p; }
+#endif
+
+}  // namespace qp
