@@ -1,15 +1,16 @@
 // Online Hadamard transform y = H(s ⊙ x), H = (H_K ⊗ H_{2^m})/√n (qpalette/hadamard.py), over
 // each row of x; y[a·2^m + b] holds segment a, point b.
 //
-// hadamard_rows_kernel (2^m = 8..4096, K ≤ 64): one block per (segment a', row). Thread t first mixes the K
-// segments' chunk t (elements 8t..8t+7): w = Σ_a H_K[a', a] (s ⊙ x)[a·2^m + 8t + ·] (the K factor
-// applied first: the two Kronecker factors commute), then the 2^m-point transform of w runs in
+// hadamard_rows_kernel (2^m = 8..4096, K ≤ 64): one block per (segment a', row). Its threads first
+// mix the K segments' chunk t (elements 8t..8t+7), the K terms split over slices of threads:
+// w = Σ_a H_K[a', a] (s ⊙ x)[a·2^m + 8t + ·] (the K factor applied first: the two Kronecker
+// factors commute), then the 2^m-point transform of w runs in
 // registers, shuffles and one shared-memory transpose (qpalette_fwht.cuh) and writes segment a'.
 // K = 1 is the power-of-two case. Each block reads the row (L2), so a decode row is spread over K
 // blocks instead of one block redoing all butterflies.
 //
-// hadamard_segments_kernel (the other shapes, up to n = 32768): one block per (row, slice): the row, sign-flipped,
-// goes to shared memory in fp32; the 2^m-point butterflies run on each of the K segments; then
+// hadamard_segments_kernel (the other shapes, up to n = 32768): one block per (row, slice): the
+// row, sign-flipped, goes to shared memory in fp32; the 2^m-point butterflies run on each of the K segments; then
 // each block writes its slice of the K outputs of every column b.
 //
 // Both read x only after `griddepcontrol.wait` and let the next kernel start its prologue at once
@@ -139,22 +140,28 @@ __global__ void __launch_bounds__(512) hadamard_segments_kernel(const T* __restr
 constexpr int ROWS_MAX_P2 = 4096;  // 8 elements a thread, at most 512 threads
 constexpr int ROWS_MAX_K = 64;     // segments a thread mixes (a load each)
 
+constexpr int ROWS_THREADS = 512;
+
+// Block = S slices × C threads (C = max(32, 2^m/8)): thread (s, t) sums segments a ≡ s (mod S) of
+// chunk t, so a thread has few loads in flight even for K = 28; slice 0 adds the S partial sums
+// in a fixed order (deterministic) and runs the 2^m-point transform.
 template <class T>
-__global__ void __launch_bounds__(ROWS_MAX_P2 / 8) hadamard_rows_kernel(const T* __restrict__ x, T* __restrict__ y,
-                                                               const uint8_t* __restrict__ signs,
-                                                               const int8_t* __restrict__ hk, int n, int k,
-                                                               int log2p2, float scale) {
+__global__ void __launch_bounds__(ROWS_THREADS) hadamard_rows_kernel(const T* __restrict__ x, T* __restrict__ y,
+                                                                    const uint8_t* __restrict__ signs,
+                                                                    const int8_t* __restrict__ hk, int n, int k,
+                                                                    int log2p2, int chunk_threads, float scale) {
   __shared__ __align__(16) float z[ROWS_MAX_P2];
+  __shared__ __align__(16) float4 part[2 * ROWS_THREADS];
   pdl_launch_dependents();
-  const int seg = blockIdx.x, t = threadIdx.x, p2 = 1 << log2p2;
+  const int seg = blockIdx.x, p2 = 1 << log2p2, slices = blockDim.x / chunk_threads;
+  const int s = threadIdx.x / chunk_threads, t = threadIdx.x - s * chunk_threads;
   const long long row = blockIdx.y;
-  const bool active = t < p2 / 8;
   const T* xr = x + row * n;
   float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   pdl_wait();
-  if (active) {
-#pragma unroll 8
-    for (int a = 0; a < k; ++a) {
+  if (t < p2 / 8) {
+#pragma unroll 4
+    for (int a = s; a < k; a += slices) {
       const int chunk = (a * p2) / 8 + t;
       float w[8];
       signed_chunk<T>(__ldg(reinterpret_cast<const uint4*>(xr) + chunk), __ldg(signs + chunk), w);
@@ -163,6 +170,18 @@ __global__ void __launch_bounds__(ROWS_MAX_P2 / 8) hadamard_rows_kernel(const T*
       for (int e = 0; e < 8; ++e) v[e] += neg ? -w[e] : w[e];
     }
   }
+  if (slices > 1) {
+    part[2 * threadIdx.x] = make_float4(v[0], v[1], v[2], v[3]);
+    part[2 * threadIdx.x + 1] = make_float4(v[4], v[5], v[6], v[7]);
+    __syncthreads();
+    if (s == 0)
+      for (int q = 1; q < slices; ++q) {
+        const float4 lo = part[2 * (q * chunk_threads + t)], hi = part[2 * (q * chunk_threads + t) + 1];
+        v[0] += lo.x; v[1] += lo.y; v[2] += lo.z; v[3] += lo.w;
+        v[4] += hi.x; v[5] += hi.y; v[6] += hi.z; v[7] += hi.w;
+      }
+  }
+  if (s != 0) v[0] = v[1] = v[2] = v[3] = v[4] = v[5] = v[6] = v[7] = 0.f;  // threads ≥ C write nothing
   fwht_row<T>(v, log2p2, scale, z, y + row * n + static_cast<long long>(seg) * p2);
 }
 
@@ -193,9 +212,11 @@ int launch(const void* x, void* y, const uint8_t* signs, const int8_t* hk, int r
   const T* xt = static_cast<const T*>(x);
   T* yt = static_cast<T*>(y);
   if (p2 >= 8 && p2 <= ROWS_MAX_P2 && k <= ROWS_MAX_K && rows <= 65535) {
-    const int threads = p2 / 8 < 32 ? 32 : p2 / 8;
-    return launch_pdl(hadamard_rows_kernel<T>, dim3(k, rows), dim3(threads), 0, stream, pdl, xt, yt, signs, hk, n, k,
-                      __builtin_ctz(p2), scale);
+    const int chunk_threads = p2 / 8 < 32 ? 32 : p2 / 8;
+    int slices = ROWS_THREADS / chunk_threads;
+    if (slices > k) slices = k;
+    return launch_pdl(hadamard_rows_kernel<T>, dim3(k, rows), dim3(slices * chunk_threads), 0, stream, pdl, xt, yt,
+                      signs, hk, n, k, __builtin_ctz(p2), chunk_threads, scale);
   }
   const size_t smem = static_cast<size_t>(n) * sizeof(float);
   if (smem > 48 * 1024) {
