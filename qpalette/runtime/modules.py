@@ -162,6 +162,7 @@ class QuantizedLinear(_CallCache, _KeepsFp16):
             if not self.lane_major:  # a plain attribute: compiled code guards on it, no graph break
                 self.to_lane_major()
             ops.prepare(x, self.quantizer.name)
+            ops.prepare(x)  # the rotation's H_K factor, for the GEMV that rotates x itself
             shape = (self.out_features, self.in_features)
             if ops.fuses_rotation(self.in_features, x.numel() // self.in_features):  # the GEMV rotates x itself
                 y = ops.rotated_matmul(x, self.rotation.signs, self.quantizer.name, self.stored_tensors(), shape)

@@ -1,11 +1,10 @@
 """The two operations a quantized layer runs: the online rotation and the quantized matmul.
 
 They are torch.library custom ops, `qpalette::rotate`, `qpalette::quantized_matmul` and the two
-in one, `qpalette::rotated_matmul` (the GEMV rotates the activations in its prologue when the
-input size is a power of two up to 4096; opt-in, see `fuses_rotation`), with fake
-implementations so that torch.compile and CUDA-graph capture see ordinary ops. The matmul takes
-the runtime tensors: the checkpoint's, code tensors in the lane-major layout (runtime/lanes.py).
-Each op has two implementations registered:
+in one, `qpalette::rotated_matmul` (the GEMV rotates the activations in its prologue; at batch 1
+by default, see `fuses_rotation`), with fake implementations so that torch.compile and CUDA-graph
+capture see ordinary ops. The matmul takes the runtime tensors: the checkpoint's, code tensors
+in the lane-major layout (runtime/lanes.py). Each op has two implementations registered:
 
 - CPU (and any device without kernels): the pure-PyTorch reference — back to the checkpoint
   layout, decode to float32, multiply back the row scales, one matmul; H(s ⊙ x) with the fast
@@ -39,7 +38,8 @@ from qpalette.quant.palette import QuantizedMatrix, get_quantizer
 from qpalette.runtime import kernel_build, lanes
 
 FUSED_MAX_ROWS = 8          # activation rows the fused kernel takes (mma n = 8)
-FUSED_ROTATION_MAX_N = 4096  # input sizes (powers of two) the GEMV rotates itself (one CTA holds K)
+FUSED_ROTATION_MAX_P2 = 4096  # the power-of-two factor of the inputs the GEMV rotates itself (8 elements a thread)
+FUSED_ROTATION_MAX_K = 64     # and their H_K factor (a load a segment and thread)
 HADAMARD_MAX_N = 32768      # row length the Hadamard kernel holds in shared memory (fp32)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -99,9 +99,15 @@ def fuses_rotation(in_features: int, rows: int) -> bool:
     return mode == "on" or (mode == "auto" and rows <= FUSED_ROTATION_AUTO_ROWS)
 
 
+@torch.compiler.assume_constant_result
 def gemv_rotates(n: int) -> bool:
-    """Input sizes the GEMV can rotate itself: powers of two a CTA holds whole (128..4096)."""
-    return 128 <= n <= FUSED_ROTATION_MAX_N and n & (n - 1) == 0
+    """Input sizes the GEMV can rotate itself: n = K·2^m with 2^m in 8..4096, K ≤ 64 and whole
+    groups of 128 columns (the kernel may still decline a split of K whose CTAs would not hold
+    whole segments; the op then rotates separately)."""
+    if n < 128 or n % 128 or not _hadamard_ok(n):
+        return False
+    k, p2 = decompose(n)
+    return 8 <= p2 <= FUSED_ROTATION_MAX_P2 and k <= FUSED_ROTATION_MAX_K
 
 
 def rotated_matmul(x: torch.Tensor, signs: torch.Tensor, quantizer: str, tensors: dict[str, torch.Tensor],
@@ -347,10 +353,14 @@ def _qmm_kernels(x2, codes, codes_b, row_scale, quantizer, out_features, signs=N
     table = lut(quantizer, x2.dtype, dev)
     ext = kernel_build.extension(dev)
     family = ext.FAMILY_CODES[spec.family]
+    k, hk = 1, None
+    if signs is not None:
+        k = decompose(x2.shape[1])[0]
+        hk = _hadamard_factor(k, dev) if k > 1 else None
     with torch.cuda.device(dev):
         if x2.shape[0] <= FUSED_MAX_ROWS:
             y = ext.gemv(x2, codes, codes_b, row_scale, table, family, spec.p0, spec.p1, out_features,
-                         _stream(dev), _num_sms(dev), _pdl(), signs)
+                         _stream(dev), _num_sms(dev), _pdl(), signs, hk, k)
             if y is not None:
                 return y
         if signs is not None:

@@ -60,9 +60,11 @@ def run_fused(ext, name, x2, tensors, rows, pdl=True, signs=None):
     spec = ops.kernel_spec(name)
     a, b = ops.code_tensors(name, tensors)
     poison((x2.shape[0], rows), x2.dtype)
+    k = decompose(x2.shape[1])[0] if signs is not None else 1
+    hk = ops._hadamard_factor(k, x2.device) if k > 1 else None
     return ext.gemv(x2, a, b, tensors["row_scale"], ops.lut(name, x2.dtype, x2.device), ext.FAMILY_CODES[spec.family],
                     spec.p0, spec.p1, rows, torch.cuda.current_stream().cuda_stream,
-                    torch.cuda.get_device_properties(0).multi_processor_count, pdl, signs)
+                    torch.cuda.get_device_properties(0).multi_processor_count, pdl, signs, hk, k)
 
 
 def run_dequant(ext, name, tensors, shape, dtype):
@@ -117,9 +119,11 @@ def test_dequantize_kernel(ext, name, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rotation_fused_into_the_gemv(ext, name, dtype):
     """rotated_matmul (H(s ⊙ x) in the GEMV's prologue) against rotate-then-matmul in float32,
-    for the power-of-two sizes it fuses; other sizes fall back to the separate rotation."""
+    for the sizes it fuses (powers of two, and K·2^m split over a cluster: 14336 = 28·512 over 4
+    CTAs, 1536 = 12·128 in one); other sizes fall back to the separate rotation."""
     gen = torch.Generator().manual_seed(11)
-    for rows, cols in [(1024, 4096), (256, 128), (96, 2048), (64, 8192), (48, 576), (64, 14336)]:
+    for rows, cols in [(1024, 4096), (256, 128), (96, 2048), (64, 8192), (48, 576), (64, 14336), (32, 1536),
+                       (48, 6144)]:
         stored, tensors = random_tensors(name, rows, cols, gen)
         signs = pack_signs(random_signs(cols, seed=cols)).cuda()
         w = ops.dequantize(name, stored, (rows, cols))

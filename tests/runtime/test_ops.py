@@ -51,6 +51,7 @@ def test_fused_rotation_sizes_and_modes(monkeypatch):
     assert ops.fuses_rotation(4096, 1) and not ops.fuses_rotation(4096, 2)  # auto: batch 1 only
     monkeypatch.setenv("QPALETTE_FUSED_ROTATION", "1")
     assert ops.fuses_rotation(4096, 8) and ops.fuses_rotation(128, 1) and not ops.fuses_rotation(8192, 1)
-    assert not ops.fuses_rotation(576, 1) and not ops.fuses_rotation(14336, 1) and not ops.fuses_rotation(64, 1)
+    assert ops.fuses_rotation(14336, 1) and ops.fuses_rotation(1536, 1)  # K·2^m: 28·512, 12·128
+    assert not ops.fuses_rotation(576, 1) and not ops.fuses_rotation(64, 1) and not ops.fuses_rotation(11008, 1)
     monkeypatch.setenv("QPALETTE_FUSED_ROTATION", "0")
     assert not ops.fuses_rotation(4096, 1)

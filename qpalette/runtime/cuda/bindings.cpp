@@ -51,12 +51,13 @@ qp::Codes codes_of(const at::Tensor& a, const c10::optional<at::Tensor>& b, int6
   return c;
 }
 
-// y (m, rows) = x (m, cols) · W_rᵀ, m ≤ 8 (with `signs`: x rotated first, H(s ⊙ x)); returns an
+// y (m, rows) = x (m, cols) · W_rᵀ, m ≤ 8 (with `signs`: x rotated first, H(s ⊙ x), H = H_K ⊗
+// H_{cols/K} with `hk` = H_K, rot_k = K); returns an
 // undefined tensor when the GEMV cannot take this shape (the caller then rotates / dequantizes).
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& codes_a, const c10::optional<at::Tensor>& codes_b,
                 const at::Tensor& row_scale, const at::Tensor& lut, int64_t family, int64_t p0, int64_t p1,
                 int64_t rows, int64_t stream, int64_t num_sms, bool pdl,
-                const c10::optional<at::Tensor>& signs) {
+                const c10::optional<at::Tensor>& signs, const c10::optional<at::Tensor>& hk, int64_t rot_k) {
   check_cuda(x, "x");
   check_cuda(row_scale, "row_scale");
   check_cuda(lut, "lut");
@@ -71,6 +72,9 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& codes_a, const c10::optio
     check_cuda(*signs, "signs");
     TORCH_CHECK(signs->scalar_type() == at::kByte && signs->numel() * 8 == x.size(1), "signs must be uint8 (in/8,)");
     a.signs = signs->data_ptr<uint8_t>();
+    TORCH_CHECK(rot_k >= 1 && (rot_k == 1 || (hk.has_value() && hk->numel() == rot_k * rot_k)), "H_K missing");
+    a.hk = rot_k > 1 ? hk->data_ptr<int8_t>() : nullptr;
+    a.rot_k = static_cast<int>(rot_k);
   }
   a.y = y.data_ptr();
   a.ldy = rows;

@@ -159,17 +159,7 @@ __global__ void __launch_bounds__(ROWS_THREADS) hadamard_rows_kernel(const T* __
   const T* xr = x + row * n;
   float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   pdl_wait();
-  if (t < p2 / 8) {
-#pragma unroll 4
-    for (int a = s; a < k; a += slices) {
-      const int chunk = (a * p2) / 8 + t;
-      float w[8];
-      signed_chunk<T>(__ldg(reinterpret_cast<const uint4*>(xr) + chunk), __ldg(signs + chunk), w);
-      const bool neg = k > 1 && __ldg(hk + seg * k + a) < 0;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) v[e] += neg ? -w[e] : w[e];
-    }
-  }
+  if (t < p2 / 8) mix_segments<T>(v, xr, signs, hk, k, log2p2, seg, t, s, slices);
   if (slices > 1) {
     part[2 * threadIdx.x] = make_float4(v[0], v[1], v[2], v[3]);
     part[2 * threadIdx.x + 1] = make_float4(v[4], v[5], v[6], v[7]);
@@ -181,8 +171,7 @@ __global__ void __launch_bounds__(ROWS_THREADS) hadamard_rows_kernel(const T* __
         v[4] += hi.x; v[5] += hi.y; v[6] += hi.z; v[7] += hi.w;
       }
   }
-  if (s != 0) v[0] = v[1] = v[2] = v[3] = v[4] = v[5] = v[6] = v[7] = 0.f;  // threads ≥ C write nothing
-  fwht_row<T>(v, log2p2, scale, z, y + row * n + static_cast<long long>(seg) * p2);
+  fwht_row<T>(v, log2p2, scale, z, y + row * n + static_cast<long long>(seg) * p2, threadIdx.x, s == 0 && t < p2 / 8);
 }
 
 // launch with programmatic stream serialization where asked for (Hopper)

@@ -1,12 +1,15 @@
 // The power-of-two Walsh–Hadamard transform of one row held 8 elements a thread, shared by the
 // standalone rotation kernel (hadamard.cu) and the GEMV's fused rotation (qpalette_gemv.cuh).
 //
-// n = 2^p points (p = 3..12), thread t < n/8 holding elements 8t..8t+7 in fp32: index bits 0-2
-// are butterflies in registers, bits 3-7 butterflies between lanes (shuffles); bits 8.. (n > 256)
-// go through one transpose in shared memory z (n floats): thread t then holds 8 elements whose
-// bits 8..10 vary (n = 4096: bit 11 between lanes t and t ^ 1). Sylvester order, the same numbers
-// as the reference's butterflies up to fp32 rounding. Every thread of the block calls it (one
-// barrier when n > 256); threads t ≥ n/8 hold zeros and write nothing.
+// n = 2^p points (p = 3..12), thread t < n/8 of the row's threads holding elements 8t..8t+7 in
+// fp32: index bits 0-2 are butterflies in registers, bits 3-7 butterflies between lanes
+// (shuffles); bits 8.. (n > 256) go through one transpose in shared memory z (n floats): thread t
+// then holds 8 elements whose bits 8..10 vary (n = 4096: bit 11 between lanes t and t ^ 1).
+// Sylvester order, the same numbers as the reference's butterflies up to fp32 rounding. Several
+// rows (segments) can be transformed at once by consecutive groups of n/8 threads, each with its
+// own z and out: t is the thread's index inside its group, and groups start at multiples of n/8
+// lanes (so shuffles stay inside a group). Every thread of the block calls it (one barrier when
+// n > 256); inactive threads hold zeros and write nothing.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -58,9 +61,9 @@ __device__ __forceinline__ int phase2_index(int t, int k, int r) {
 
 // v (this thread's 8 elements, signs applied) → out[0..n) = scale · H_n v, rounded to T.
 template <class T>
-__device__ __forceinline__ void fwht_row(float (&v)[8], int log2n, float scale, float* z, T* out) {
-  const int t = threadIdx.x, r = log2n - 8;
-  const bool active = t < (1 << log2n) / 8;
+__device__ __forceinline__ void fwht_row(float (&v)[8], int log2n, float scale, float* z, T* out, int t,
+                                         bool active) {
+  const int r = log2n - 8;
   butterflies_in_registers(v, 3);
   for (int b = 3; b < log2n && b < 8; ++b) butterflies_between_lanes(v, 1 << (b - 3));
   if (r <= 0) {
@@ -92,6 +95,22 @@ __device__ __forceinline__ void signed_chunk(const uint4& raw, uint32_t sb, floa
   const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
   for (int k = 0; k < 8; ++k) v[k] = (sb >> (7 - k)) & 1u ? -Cvt<T>::to_float(e[k]) : Cvt<T>::to_float(e[k]);
+}
+
+// v += Σ_a H_K[seg, a] (s ⊙ x)[a·2^m + 8t + ·] over a = a0, a0 + step, … < K (hk: K·K ±1, unused
+// when K = 1): chunk t of segment seg of (H_K ⊗ I) (s ⊙ x), before the 2^m-point transform.
+template <class T>
+__device__ __forceinline__ void mix_segments(float (&v)[8], const T* x, const uint8_t* signs, const int8_t* hk,
+                                             int k, int log2p2, int seg, int t, int a0, int step) {
+#pragma unroll 4
+  for (int a = a0; a < k; a += step) {
+    const int chunk = ((a << log2p2) >> 3) + t;
+    float w[8];
+    signed_chunk<T>(__ldg(reinterpret_cast<const uint4*>(x) + chunk), __ldg(signs + chunk), w);
+    const bool neg = k > 1 && __ldg(hk + seg * k + a) < 0;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] += neg ? -w[e] : w[e];
+  }
 }
 
 }  // namespace qp

@@ -16,7 +16,8 @@
 // workspace, deterministic. The table and the codes of the first items are fetched before
 // `griddepcontrol.wait`: with programmatic dependent launch that prologue overlaps the previous
 // kernel; x is read and y written only after it (the reducers fetch each round's row scales at
-// the round's start). With `signs` the staging also rotates x (stage_x_rotated).
+// the round's start). With `signs` the staging also rotates x (stage_x_rotated), each CTA its own
+// columns.
 // half-TCQ: segment 0 (codes_a, the first half of the columns) and segment 1 (codes_b) are
 // consecutive ranges of groups; a warp decodes each group with its segment's decoder.
 #pragma once
@@ -83,8 +84,9 @@ struct GemvParams {
   int m, rt;
   int cs, cgc, ncl;    // cluster size, groups a CTA, clusters
   int nw;              // warps a CTA
-  const uint8_t* signs;  // fused rotation x ← H(s ⊙ x)/√n (n = cols, a power of two), or nullptr
-  int log2n;
+  const uint8_t* signs;  // fused rotation x ← H(s ⊙ x)/√n, H = H_K ⊗ H_{2^m} (n = cols), or nullptr
+  const int8_t* hk;      // H_K (K·K ±1), nullptr when K = 1
+  int rot_k, log2p2;
   float rot_scale;     // 1/√n
 };
 
@@ -228,26 +230,24 @@ __device__ __forceinline__ void stage_x(const GemvParams& p, uint32_t* xs, int r
   }
 }
 
-// Staging with the rotation fused: x ← H(s ⊙ x)/√n, n = 2^p (128..4096), in fp32, rounded to the
-// activation dtype into the x buffer (qpalette_fwht.cuh), row by row; z is double buffered by row,
-// so one barrier a row, and the next row's x is loaded while this one is transformed. Needs the
-// whole, unpadded K in this CTA (cs = 1, cols = groups · 128).
+// Staging with the rotation fused: this CTA's columns of x ← H(s ⊙ x)/√n, H = H_K ⊗ H_{2^m}, in
+// fp32, rounded to the activation dtype into the x buffer (qpalette_fwht.cuh), row by row. The
+// CTA's columns are whole segments of 2^m (checked at launch), each held by 2^m/8 threads: a
+// thread mixes its chunk over the K segments of the row (H_K first: the factors commute), then
+// the segments' 2^m-point transforms run side by side. z is double buffered by row: one barrier
+// a row. Needs unpadded K (cols = groups · 128).
 template <class T>
-__device__ __forceinline__ void stage_x_rotated(const GemvParams& p, uint32_t* xs, float* z) {
-  const int n = 1 << p.log2n, xsw = p.cgc * 64 + 4;
-  const int t = threadIdx.x, active = t < n / 8;
-  const uint32_t sb = active ? p.signs[t] : 0u;
-  auto load = [&](int row) {
-    return active && row < p.m ? __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(p.x) + row * p.ldx) + t)
-                               : make_uint4(0, 0, 0, 0);
-  };
-  uint4 next = load(0);
+__device__ __forceinline__ void stage_x_rotated(const GemvParams& p, uint32_t* xs, float* z, int rank) {
+  const int ccols = p.cgc * 128, xsw = p.cgc * 64 + 4, cpt = (1 << p.log2p2) / 8;
+  const int jj = threadIdx.x / cpt, t = threadIdx.x - jj * cpt, seg0 = rank * (ccols >> p.log2p2);
+  const bool active = threadIdx.x < ccols / 8;
   for (int row = 0; row < p.m; ++row) {
-    const uint4 cur = next;
-    next = load(row + 1);
-    float v[8];
-    signed_chunk<T>(cur, sb, v);
-    fwht_row<T>(v, p.log2n, p.rot_scale, z + (row & 1) * n, reinterpret_cast<T*>(xs + row * xsw));
+    float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    if (active)
+      mix_segments<T>(v, reinterpret_cast<const T*>(p.x) + row * p.ldx, p.signs, p.hk, p.rot_k, p.log2p2, seg0 + jj,
+                      t, 0, 1);
+    fwht_row<T>(v, p.log2p2, p.rot_scale, z + (row & 1) * ccols + (jj << p.log2p2),
+                reinterpret_cast<T*>(xs + row * xsw) + (jj << p.log2p2), t, active);
   }
 }
 
@@ -306,7 +306,7 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, 1) gemv_kernel(const GemvParam
   fill_table<L>(lut, p.lut);
   // 2. x may be written by the previous kernel: wait for it (no-op without PDL)
   pdl_wait();
-  if (p.signs) stage_x_rotated<T>(p, xs, rot);
+  if (p.signs) stage_x_rotated<T>(p, xs, rot, rank);
   else stage_x<T>(p, xs, rank);
   if (p.cs > 1) cluster_sync();  // also: every CTA of the cluster has started (DSMEM)
   else __syncthreads();
@@ -533,10 +533,14 @@ int launch_gemv(const GemvArgs& a) {
   int cs = 0, nw = 0, cgc = 0;
   size_t smem = 0;
   const bool rotate = a.signs != nullptr;
-  if (rotate && ((a.cols & (a.cols - 1)) != 0 || gtot * 128 != a.cols)) return UNSUPPORTED;
-  for (int c = 1; c <= (dev.major >= 9 && !rotate ? 8 : 1); c *= 2) {  // rotation: the whole K in a CTA
+  const int p2 = rotate ? a.cols / a.rot_k : 0;
+  if (rotate && (p2 * a.rot_k != a.cols || p2 < 8 || p2 > 4096 || (p2 & (p2 - 1)) != 0 || gtot * 128 != a.cols ||
+                 (a.rot_k > 1) != (a.hk != nullptr)))
+    return UNSUPPORTED;
+  for (int c = 1; c <= (dev.major >= 9 ? 8 : 1); c *= 2) {
     const int g = (gtot + c - 1) / c, w = (g + NG - 1) / NG;
-    const size_t s = gemv_smem<L>(PR::RR, w, g, c, a.m, rotate ? a.cols : 0);
+    if (rotate && (g * c != gtot || (g * 128) % p2 != 0)) continue;  // every CTA: whole segments
+    const size_t s = gemv_smem<L>(PR::RR, w, g, c, a.m, rotate ? g * 128 : 0);
     if (w <= MAX_WARPS && s <= static_cast<size_t>(dev.smem_optin)) {
       cs = c, nw = w, cgc = g, smem = s;
       break;
@@ -578,7 +582,9 @@ int launch_gemv(const GemvArgs& a) {
   p.lut = static_cast<const uint32_t*>(a.lut);
   p.m = a.m;
   p.signs = static_cast<const uint8_t*>(a.signs);
-  p.log2n = rotate ? __builtin_ctz(a.cols) : 0;
+  p.hk = a.hk;
+  p.rot_k = a.rot_k;
+  p.log2p2 = rotate ? __builtin_ctz(p2) : 0;
   p.rot_scale = rotate ? 1.0f / sqrtf(static_cast<float>(a.cols)) : 1.0f;
   cfg.gridDim = dim3(p.ncl * cs);
   if (a.pdl && dev.major >= 9) {

@@ -20,11 +20,14 @@ struct Codes {
 };
 
 // y[m, rows] = x[m, cols] · (decode(codes) ⊙ row_scale)ᵀ for 1 ≤ m ≤ 8; with `signs`,
-// x ← H(s ⊙ x)/√cols first (the online rotation fused: cols a power of two, no K split).
+// x ← H(s ⊙ x)/√cols first, H = H_K ⊗ H_{cols/K} (the online rotation fused: cols/K a power of
+// two 8..4096, every CTA of a K split holding whole segments of cols/K, else UNSUPPORTED).
 struct GemvArgs {
   Codes codes;
   const void* x;          // activations (m, ldx) in dtype
   const uint8_t* signs;   // bit-packed rotation signs (cols/8 bytes, MSB first, set = −1) or nullptr
+  const int8_t* hk;       // the rotation's ±1 factor H_K (K·K, row-major), nullptr when K = 1
+  int rot_k;              // K
   long long ldx;
   void* y;                // output (m, ldy) in dtype
   long long ldy;
