@@ -234,19 +234,78 @@ __device__ __forceinline__ void stage_x(const GemvParams& p, uint32_t* xs, int r
 // fp32, rounded to the activation dtype into the x buffer (qpalette_fwht.cuh), row by row. The
 // CTA's columns are whole segments of 2^m (checked at launch), each held by 2^m/8 threads: a
 // thread mixes its chunk over the K segments of the row (H_K first: the factors commute), then
-// the segments' 2^m-point transforms run side by side. z is double buffered by row: one barrier
-// a row. Needs unpadded K (cols = groups · 128).
+// the segments' 2^m-point transforms run side by side. K = 1: each thread loads its own chunk.
+// K > 1: the whole row, signs applied (exact), is first staged in z (2n bytes ≤ z's 8·columns
+// bytes: clusters of at most 4) with all loads in flight, so that the K-term sums read shared
+// memory; `hneg` (bit a: H_K[segment, a] < 0) was read before the wait for the previous kernel.
+// Needs unpadded K (cols = groups · 128).
+__device__ __forceinline__ uint64_t rotation_factor_row(const GemvParams& p, int rank) {
+  const int ccols = p.cgc * 128, cpt = (1 << p.log2p2) / 8;
+  const int seg = rank * (ccols >> p.log2p2) + threadIdx.x / cpt;
+  uint64_t neg = 0;
+  if (p.signs && p.rot_k > 1 && threadIdx.x < ccols / 8)
+    for (int a = 0; a < p.rot_k; ++a) neg |= static_cast<uint64_t>(__ldg(p.hk + seg * p.rot_k + a) < 0) << a;
+  return neg;
+}
+
 template <class T>
-__device__ __forceinline__ void stage_x_rotated(const GemvParams& p, uint32_t* xs, float* z, int rank) {
+__device__ __forceinline__ void stage_signed_row(const GemvParams& p, int row, T* raw) {
+  const int chunks = (p.rot_k << p.log2p2) / 8;
+  const uint4* xr = reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(p.x) + row * p.ldx);
+  for (int base = threadIdx.x; base < chunks; base += 8 * blockDim.x) {
+    uint4 v[8];
+    uint32_t sb[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const int c = base + u * blockDim.x;
+      v[u] = c < chunks ? __ldg(xr + c) : make_uint4(0, 0, 0, 0);
+      sb[u] = c < chunks ? __ldg(p.signs + c) : 0u;
+    }
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const int c = base + u * blockDim.x;
+      if (c < chunks) {
+        float f[8];
+        signed_chunk<T>(v[u], sb[u], f);
+        T o[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) o[e] = Cvt<T>::from_float(f[e]);
+        reinterpret_cast<uint4*>(raw)[c] = *reinterpret_cast<const uint4*>(o);
+      }
+    }
+  }
+}
+
+template <class T>
+__device__ __forceinline__ void stage_x_rotated(const GemvParams& p, uint32_t* xs, float* z, int rank,
+                                                uint64_t hneg) {
   const int ccols = p.cgc * 128, xsw = p.cgc * 64 + 4, cpt = (1 << p.log2p2) / 8;
-  const int jj = threadIdx.x / cpt, t = threadIdx.x - jj * cpt, seg0 = rank * (ccols >> p.log2p2);
+  const int jj = threadIdx.x / cpt, t = threadIdx.x - jj * cpt;
   const bool active = threadIdx.x < ccols / 8;
+  const T* raw = reinterpret_cast<const T*>(z);
   for (int row = 0; row < p.m; ++row) {
     float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    if (active)
-      mix_segments<T>(v, reinterpret_cast<const T*>(p.x) + row * p.ldx, p.signs, p.hk, p.rot_k, p.log2p2, seg0 + jj,
-                      t, 0, 1);
-    fwht_row<T>(v, p.log2p2, p.rot_scale, z + (row & 1) * ccols + (jj << p.log2p2),
+    if (p.rot_k == 1) {
+      if (active) {
+        const int c = (jj << p.log2p2) / 8 + t;
+        signed_chunk<T>(__ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(p.x) + row * p.ldx) + c),
+                        __ldg(p.signs + c), v);
+      }
+    } else {
+      if (row > 0) __syncthreads();  // the last row's transform has read z
+      stage_signed_row<T>(p, row, reinterpret_cast<T*>(z));
+      __syncthreads();
+      if (active)
+        for (int a = 0; a < p.rot_k; ++a) {
+          const uint4 q = reinterpret_cast<const uint4*>(raw)[((a << p.log2p2) >> 3) + t];
+          const T* e = reinterpret_cast<const T*>(&q);
+          const bool neg = (hneg >> a) & 1u;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) v[i] += neg ? -Cvt<T>::to_float(e[i]) : Cvt<T>::to_float(e[i]);
+        }
+      __syncthreads();  // z is the transform's buffer next
+    }
+    fwht_row<T>(v, p.log2p2, p.rot_scale, z + (p.rot_k == 1 ? (row & 1) * ccols : 0) + (jj << p.log2p2),
                 reinterpret_cast<T*>(xs + row * xsw) + (jj << p.log2p2), t, active);
   }
 }
@@ -305,8 +364,9 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, 1) gemv_kernel(const GemvParam
     if (s < nrows) load_item(code[s], s);
   fill_table<L>(lut, p.lut);
   // 2. x may be written by the previous kernel: wait for it (no-op without PDL)
+  const uint64_t hneg = rotation_factor_row(p, rank);
   pdl_wait();
-  if (p.signs) stage_x_rotated<T>(p, xs, rot, rank);
+  if (p.signs) stage_x_rotated<T>(p, xs, rot, rank, hneg);
   else stage_x<T>(p, xs, rank);
   if (p.cs > 1) cluster_sync();  // also: every CTA of the cluster has started (DSMEM)
   else __syncthreads();
@@ -534,12 +594,13 @@ int launch_gemv(const GemvArgs& a) {
   size_t smem = 0;
   const bool rotate = a.signs != nullptr;
   const int p2 = rotate ? a.cols / a.rot_k : 0;
-  if (rotate && (p2 * a.rot_k != a.cols || p2 < 8 || p2 > 4096 || (p2 & (p2 - 1)) != 0 || gtot * 128 != a.cols ||
+  if (rotate && (p2 * a.rot_k != a.cols || a.rot_k > 64 || p2 < 8 || p2 > 4096 || (p2 & (p2 - 1)) != 0 || gtot * 128 != a.cols ||
                  (a.rot_k > 1) != (a.hk != nullptr)))
     return UNSUPPORTED;
   for (int c = 1; c <= (dev.major >= 9 ? 8 : 1); c *= 2) {
     const int g = (gtot + c - 1) / c, w = (g + NG - 1) / NG;
     if (rotate && (g * c != gtot || (g * 128) % p2 != 0)) continue;  // every CTA: whole segments
+    if (rotate && a.rot_k > 1 && c > 4) continue;  // the signed row staged in z: 2·cols ≤ 8·cols/c bytes
     const size_t s = gemv_smem<L>(PR::RR, w, g, c, a.m, rotate ? g * 128 : 0);
     if (w <= MAX_WARPS && s <= static_cast<size_t>(dev.smem_optin)) {
       cs = c, nw = w, cgc = g, smem = s;
