@@ -165,6 +165,8 @@ def prepare(x: torch.Tensor, quantizer: str | None = None) -> None:
         k, _ = decompose(x.shape[-1])
         if k > 1:
             _hadamard_factor(k, x.device)
+            if k <= FUSED_ROTATION_MAX_K:
+                _hadamard_row_masks(k, x.device)
 
 
 def _hadamard_ok(n: int) -> bool:
@@ -244,6 +246,19 @@ def _hadamard_factor(k: int, device: torch.device) -> torch.Tensor:
     if t is None:
         _not_capturing("the Hadamard factor")
         t = torch.from_numpy(hadamard_matrix(k)).to(torch.int8).contiguous().to(device)
+        _hks[key] = t
+    return t
+
+
+def _hadamard_row_masks(k: int, device: torch.device) -> torch.Tensor:
+    """H_K's rows as int64 bit masks of their −1 entries (K ≤ 64): what the GEMV's fused rotation reads."""
+    key = ("masks", k, device)
+    t = _hks.get(key)
+    if t is None:
+        _not_capturing("the Hadamard factor")
+        neg = torch.from_numpy(hadamard_matrix(k) < 0).to(torch.int64)
+        masks = (neg << torch.arange(k, dtype=torch.int64)).sum(dim=1)  # bit 63 wraps to the sign: fine
+        t = masks.contiguous().to(device)
         _hks[key] = t
     return t
 
@@ -356,7 +371,7 @@ def _qmm_kernels(x2, codes, codes_b, row_scale, quantizer, out_features, signs=N
     k, hk = 1, None
     if signs is not None:
         k = decompose(x2.shape[1])[0]
-        hk = _hadamard_factor(k, dev) if k > 1 else None
+        hk = _hadamard_row_masks(k, dev) if k > 1 and k <= FUSED_ROTATION_MAX_K else None
     with torch.cuda.device(dev):
         if x2.shape[0] <= FUSED_MAX_ROWS:
             y = ext.gemv(x2, codes, codes_b, row_scale, table, family, spec.p0, spec.p1, out_features,

@@ -61,7 +61,7 @@ def run_fused(ext, name, x2, tensors, rows, pdl=True, signs=None):
     a, b = ops.code_tensors(name, tensors)
     poison((x2.shape[0], rows), x2.dtype)
     k = decompose(x2.shape[1])[0] if signs is not None else 1
-    hk = ops._hadamard_factor(k, x2.device) if k > 1 else None
+    hk = ops._hadamard_row_masks(k, x2.device) if k > 1 else None
     return ext.gemv(x2, a, b, tensors["row_scale"], ops.lut(name, x2.dtype, x2.device), ext.FAMILY_CODES[spec.family],
                     spec.p0, spec.p1, rows, torch.cuda.current_stream().cuda_stream,
                     torch.cuda.get_device_properties(0).multi_processor_count, pdl, signs, hk, k)

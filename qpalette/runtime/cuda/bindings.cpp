@@ -52,12 +52,12 @@ qp::Codes codes_of(const at::Tensor& a, const c10::optional<at::Tensor>& b, int6
 }
 
 // y (m, rows) = x (m, cols) · W_rᵀ, m ≤ 8 (with `signs`: x rotated first, H(s ⊙ x), H = H_K ⊗
-// H_{cols/K} with `hk` = H_K, rot_k = K); returns an
+// H_{cols/K}, `hk_neg` = H_K's rows as 64-bit masks of its −1 entries, rot_k = K); returns an
 // undefined tensor when the GEMV cannot take this shape (the caller then rotates / dequantizes).
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& codes_a, const c10::optional<at::Tensor>& codes_b,
                 const at::Tensor& row_scale, const at::Tensor& lut, int64_t family, int64_t p0, int64_t p1,
                 int64_t rows, int64_t stream, int64_t num_sms, bool pdl,
-                const c10::optional<at::Tensor>& signs, const c10::optional<at::Tensor>& hk, int64_t rot_k) {
+                const c10::optional<at::Tensor>& signs, const c10::optional<at::Tensor>& hk_neg, int64_t rot_k) {
   check_cuda(x, "x");
   check_cuda(row_scale, "row_scale");
   check_cuda(lut, "lut");
@@ -72,8 +72,10 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& codes_a, const c10::optio
     check_cuda(*signs, "signs");
     TORCH_CHECK(signs->scalar_type() == at::kByte && signs->numel() * 8 == x.size(1), "signs must be uint8 (in/8,)");
     a.signs = signs->data_ptr<uint8_t>();
-    TORCH_CHECK(rot_k >= 1 && (rot_k == 1 || (hk.has_value() && hk->numel() == rot_k * rot_k)), "H_K missing");
-    a.hk = rot_k > 1 ? hk->data_ptr<int8_t>() : nullptr;
+    TORCH_CHECK(rot_k >= 1 && (rot_k == 1 || (hk_neg.has_value() && hk_neg->scalar_type() == at::kLong &&
+                                              hk_neg->numel() == rot_k)), "H_K row masks missing");
+    if (rot_k > 1) check_cuda(*hk_neg, "hk_neg");
+    a.hk_neg = rot_k > 1 ? hk_neg->data_ptr() : nullptr;
     a.rot_k = static_cast<int>(rot_k);
   }
   a.y = y.data_ptr();

@@ -85,7 +85,7 @@ struct GemvParams {
   int cs, cgc, ncl;    // cluster size, groups a CTA, clusters
   int nw;              // warps a CTA
   const uint8_t* signs;  // fused rotation x ← H(s ⊙ x)/√n, H = H_K ⊗ H_{2^m} (n = cols), or nullptr
-  const int8_t* hk;      // H_K (K·K ±1), nullptr when K = 1
+  const unsigned long long* hk_neg;  // H_K by rows, bit a of row j set ⇔ H_K[j, a] = −1 (K ≤ 64); nullptr when K = 1
   int rot_k, log2p2;
   float rot_scale;     // 1/√n
 };
@@ -237,15 +237,12 @@ __device__ __forceinline__ void stage_x(const GemvParams& p, uint32_t* xs, int r
 // the segments' 2^m-point transforms run side by side. K = 1: each thread loads its own chunk.
 // K > 1: the whole row, signs applied (exact), is first staged in z (2n bytes ≤ z's 8·columns
 // bytes: clusters of at most 4) with all loads in flight, so that the K-term sums read shared
-// memory; `hneg` (bit a: H_K[segment, a] < 0) was read before the wait for the previous kernel.
+// memory; `hneg` (bit a: H_K[segment, a] = −1) was read before the wait for the previous kernel.
 // Needs unpadded K (cols = groups · 128).
 __device__ __forceinline__ uint64_t rotation_factor_row(const GemvParams& p, int rank) {
   const int ccols = p.cgc * 128, cpt = (1 << p.log2p2) / 8;
   const int seg = rank * (ccols >> p.log2p2) + threadIdx.x / cpt;
-  uint64_t neg = 0;
-  if (p.signs && p.rot_k > 1 && threadIdx.x < ccols / 8)
-    for (int a = 0; a < p.rot_k; ++a) neg |= static_cast<uint64_t>(__ldg(p.hk + seg * p.rot_k + a) < 0) << a;
-  return neg;
+  return p.signs && p.rot_k > 1 && threadIdx.x < ccols / 8 ? __ldg(p.hk_neg + seg) : 0ull;
 }
 
 template <class T>
@@ -595,7 +592,7 @@ int launch_gemv(const GemvArgs& a) {
   const bool rotate = a.signs != nullptr;
   const int p2 = rotate ? a.cols / a.rot_k : 0;
   if (rotate && (p2 * a.rot_k != a.cols || a.rot_k > 64 || p2 < 8 || p2 > 4096 || (p2 & (p2 - 1)) != 0 || gtot * 128 != a.cols ||
-                 (a.rot_k > 1) != (a.hk != nullptr)))
+                 (a.rot_k > 1) != (a.hk_neg != nullptr)))
     return UNSUPPORTED;
   for (int c = 1; c <= (dev.major >= 9 ? 8 : 1); c *= 2) {
     const int g = (gtot + c - 1) / c, w = (g + NG - 1) / NG;
@@ -643,7 +640,7 @@ int launch_gemv(const GemvArgs& a) {
   p.lut = static_cast<const uint32_t*>(a.lut);
   p.m = a.m;
   p.signs = static_cast<const uint8_t*>(a.signs);
-  p.hk = a.hk;
+  p.hk_neg = static_cast<const unsigned long long*>(a.hk_neg);
   p.rot_k = a.rot_k;
   p.log2p2 = rotate ? __builtin_ctz(p2) : 0;
   p.rot_scale = rotate ? 1.0f / sqrtf(static_cast<float>(a.cols)) : 1.0f;

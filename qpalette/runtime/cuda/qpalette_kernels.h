@@ -26,8 +26,9 @@ struct GemvArgs {
   Codes codes;
   const void* x;          // activations (m, ldx) in dtype
   const uint8_t* signs;   // bit-packed rotation signs (cols/8 bytes, MSB first, set = −1) or nullptr
-  const int8_t* hk;       // the rotation's ±1 factor H_K (K·K, row-major), nullptr when K = 1
-  int rot_k;              // K
+  const void* hk_neg;     // the rotation's factor H_K as K 64-bit row masks (bit a set ⇔ H_K[j, a] = −1),
+                          // nullptr when K = 1
+  int rot_k;              // K ≤ 64
   long long ldx;
   void* y;                // output (m, ldy) in dtype
   long long ldy;
