@@ -18,7 +18,7 @@ from qpalette.quant.incoherence import (
     rotate_weight,
     unrotate_weight,
 )
-from qpalette.quant.ldlq import DEFAULT_DAMP, ldl_feedback, ldlq
+from qpalette.quant.ldlq import DEFAULT_DAMP, ldl_feedback, ldlq_many
 from qpalette.quant.palette import get_quantizer
 from qpalette.quant.palette.base import QuantizedMatrix
 from qpalette.runtime.checkpoint import CODEBOOKS_MODULE, Layout, parent_and_attr, sign_seed
@@ -29,12 +29,20 @@ def _quantize_rotated(w: torch.Tensor, quantizer: str, signs: torch.Tensor, devi
                       hessian: torch.Tensor | None, damp: float) -> QuantizedMatrix:
     """W rotated (W·diag(s)·Hᵀ) and quantized: nearest rounding, or LDLQ with `hessian` (XᵀX/n
     of its input, original basis) under the same rotation."""
+    return _quantize_rotated_many([w], quantizer, [signs], device, None if hessian is None else [hessian], damp)[0]
+
+
+def _quantize_rotated_many(ws: list[torch.Tensor], quantizer: str, signs: list[torch.Tensor], device,
+                           hessians: list[torch.Tensor] | None, damp: float) -> list[QuantizedMatrix]:
+    """`_quantize_rotated` of matrices with one column count; with Hessians, LDLQ in lockstep
+    (`ldlq_many`)."""
     q = get_quantizer(quantizer)
-    w_r = rotate_weight(w.to(device, torch.float32), signs)
-    if hessian is None:
-        return q.quantize(w_r)
-    h_r = rotate_hessian(hessian.to(device, torch.float32), signs)
-    return ldlq(q, w_r, ldl_feedback(h_r, q.block_cols, damp))
+    w_r = [rotate_weight(w.to(device, torch.float32), s) for w, s in zip(ws, signs)]
+    if hessians is None:
+        return [q.quantize(w) for w in w_r]
+    feedbacks = [ldl_feedback(rotate_hessian(h.to(device, torch.float32), s), q.block_cols, damp)
+                 for h, s in zip(hessians, signs)]
+    return ldlq_many(q, w_r, feedbacks)
 
 
 def quantize_matrix(w: torch.Tensor, quantizer: str, signs: torch.Tensor, device,
@@ -50,9 +58,17 @@ def quantized_weight(w: torch.Tensor, quantizer: str, signs: torch.Tensor, devic
     """The weight a compressed layer computes with, back in W's basis (float32 on `device`): the
     codes `quantize_matrix` stores, decoded (float32 codebooks), times their fp16 row scales,
     unrotated (Ŵ = Ŵ_r · H · diag(s))."""
-    signs = signs.to(device)
-    qm = _quantize_rotated(w, quantizer, signs, device, hessian, damp)
-    return unrotate_weight(get_quantizer(quantizer).dequantize(qm), signs)
+    return quantized_weights([w], quantizer, [signs], device, None if hessian is None else [hessian], damp)[0]
+
+
+def quantized_weights(ws: list[torch.Tensor], quantizer: str, signs: list[torch.Tensor], device,
+                      hessians: list[torch.Tensor] | None = None, damp: float = DEFAULT_DAMP) -> list[torch.Tensor]:
+    """`quantized_weight` of several matrices with one column count at once (LDLQ in lockstep:
+    the same weights as one by one, in far fewer trellis calls)."""
+    signs = [s.to(device) for s in signs]
+    q = get_quantizer(quantizer)
+    return [unrotate_weight(q.dequantize(qm), s)
+            for qm, s in zip(_quantize_rotated_many(ws, quantizer, signs, device, hessians, damp), signs)]
 
 
 def _layer_tensors(w: torch.Tensor, quantizer: str, signs: torch.Tensor, device, random_seed: int | None,
