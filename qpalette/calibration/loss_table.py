@@ -9,7 +9,11 @@ baseline is the unquantized model, or with `base` every decoder-block layer quan
 entry (the paper's setting); layer l's other entries then replace its base weight.
 
 Only the weight of one layer changes per cell, so the block-input cache (`calibration.evaluator`)
-runs blocks l.. only; the weight is restored from a saved copy after each cell. Finished cells are
+runs blocks l.. only; the weight is restored from a saved copy after each cell. The cells are
+quantized a window of blocks at a time (as many as a quarter of the free GPU memory holds), the
+layers of one entry and one column count by LDLQ in lockstep (`quant.ldlq.ldlq_many`): a trellis
+entry then costs one Viterbi batch per column block for the window instead of one per layer and
+block, which is what made TCQ cells slow. Finished cells are
 kept in OUTPUT.partial.json (atomically, every layer and every SAVE_EVERY_S); `--resume` skips
 them, and also extends a finished OUTPUT with new entries or layers. One device: spreading the
 layers over several GPUs (as `calibrate` does) is not implemented.
@@ -241,51 +245,84 @@ def _fits(entry: str, l: LayerShape) -> bool:
     return True
 
 
-class _HessianCache:
-    """The Hessians of one block at a time (the blocks are visited in order)."""
+def _window_bytes(device: torch.device) -> int:
+    """Bytes the quantized weights of one window of blocks may take: a quarter of the free GPU
+    memory (LDLQ and the Viterbi batches need the rest), 2 GiB on the CPU."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free // 4
+    return 2 << 30
 
-    def __init__(self, hess):
-        self.hess, self.block, self.h = hess, None, None
 
-    def get(self, l: LayerShape) -> torch.Tensor | None:
-        if self.hess is None:
-            return None
-        if self.block != l.block:
-            self.block, self.h = l.block, self.hess.load(l.block)
-        return self.h[l.input_group]
+def _windows(cells: list[tuple[LayerShape, str]], budget: int) -> list[list[tuple[LayerShape, str]]]:
+    """`cells` (in model order) cut at block boundaries into runs whose float32 weights fit `budget`
+    (at least one block each)."""
+    out: list[list[tuple[LayerShape, str]]] = []
+    size = 0
+    for i, (l, q) in enumerate(cells):
+        new_block = i == 0 or l.block != cells[i - 1][0].block
+        if new_block and (not out or size + _block_bytes(cells, i) > budget):
+            out.append([])
+            size = 0
+        out[-1].append((l, q))
+        size += 4 * l.out_features * l.in_features
+    return out
+
+
+def _block_bytes(cells: list[tuple[LayerShape, str]], i: int) -> int:
+    """float32 bytes of the cells of the block that starts at cells[i]."""
+    return sum(4 * l.out_features * l.in_features for l, _ in cells[i:] if l.block == cells[i][0].block)
+
+
+def _quantize_cells(st: _Setup, cells: list[tuple[LayerShape, str]], damp: float) -> dict[tuple[str, str], torch.Tensor]:
+    """Ŵ of every cell (layer name, entry), as `compression.blocks.quantized_weight` makes it; the
+    layers of one entry and one column count go through LDLQ together (`quantized_weights`), so a
+    trellis entry costs one Viterbi batch per column block for the whole window, not per layer."""
+    from qpalette.compression.blocks import quantized_weights
+
+    blocks = sorted({l.block for l, _ in cells})
+    hess = {b: st.hessians.load(b) for b in blocks} if st.hessians is not None else None
+    groups: dict[tuple[str, int], list[LayerShape]] = {}
+    for l, q in cells:
+        groups.setdefault((q, l.in_features), []).append(l)
+    out = {}
+    for (q, _cols), layers in groups.items():
+        hs = [hess[l.block][l.input_group] for l in layers] if hess is not None else None
+        ws = quantized_weights([_original(st, l) for l in layers], q, [_signs(l) for l in layers], st.device, hs,
+                               damp)
+        out.update({(l.name, q): w for l, w in zip(layers, ws)})
+    return out
 
 
 def _apply_base(st: _Setup, base: str, damp: float) -> None:
     """Quantize every decoder-block layer the base entry can hold (lm_head stays 16-bit)."""
-    from qpalette.compression.blocks import quantized_weight
-
-    cache = _HessianCache(st.hessians)
-    layers = [l for l in st.all_layers if l.name != HEAD and _fits(base, l)]
-    bar = progress_bar(len(layers), f"base {base}", "layer", st.progress)
+    cells = [(l, base) for l in st.all_layers if l.name != HEAD and _fits(base, l)]
+    windows = _windows(cells, _window_bytes(st.device))
+    bar = progress_bar(len(cells), f"base {base}", "layer", st.progress)
     with torch.no_grad(), bar:
-        for l in layers:
-            w = quantized_weight(_original(st, l), base, _signs(l), st.device, cache.get(l), damp)
-            st.model.get_submodule(l.name).weight.copy_(w)
-            bar.update(1)
+        for window in windows:
+            for (name, _q), w in _quantize_cells(st, window, damp).items():
+                st.model.get_submodule(name).weight.copy_(w)
+            bar.update(len(window))
 
 
 def _measure(st: _Setup, ev: BlockEvaluator, todo: list[tuple[LayerShape, str]], rows: dict, saver: _Saver,
              opts: LossTableOptions) -> None:
-    """Measure every (layer, entry) cell of `todo` (entries that hold the layer's shape) in model order (the block cache only moves
-    forward) into `rows`; an interrupted run saves what it has before stopping."""
-    from qpalette.compression.blocks import quantized_weight
-
-    cache = _HessianCache(st.hessians)
+    """Measure every (layer, entry) cell of `todo` (entries that hold the layer's shape) in model
+    order (the block cache only moves forward) into `rows`, a window of blocks at a time (its
+    cells quantized first, together); an interrupted run saves what it has before stopping."""
     bar = progress_bar(len(todo), "loss-table", "cell", st.progress)
     try:
-        for l, q in todo:
-            bar.set_postfix_str(f"{l.name} {q}")
-            ev.advance_to(l.block)
-            mod = st.model.get_submodule(l.name)
-            w_hat = quantized_weight(_original(st, l), q, _signs(l), st.device, cache.get(l), opts.damp)
-            rows.setdefault(l.name, {})[q] = _cell(ev, mod.weight, w_hat)
-            bar.update(1)
-            saver.save(force=q == st.entries[-1])
+        for window in _windows(todo, _window_bytes(st.device)):
+            bar.set_postfix_str(f"quantizing {len(window)} cells")
+            w_hats = _quantize_cells(st, window, opts.damp)
+            for l, q in window:
+                bar.set_postfix_str(f"{l.name} {q}")
+                ev.advance_to(l.block)
+                rows.setdefault(l.name, {})[q] = _cell(ev, st.model.get_submodule(l.name).weight,
+                                                       w_hats.pop((l.name, q)))
+                bar.update(1)
+                saver.save(force=q == st.entries[-1])
     except torch.cuda.OutOfMemoryError:
         saver.save(force=True)
         raise InputError(f"out of GPU memory: lower --batch-size and rerun with --resume (finished cells are "

@@ -1,6 +1,7 @@
 """One decoder block → its stored tensors: rotate each input group, quantize every layer (a fused
 group as one row-concatenated matrix), by nearest rounding or, given the Hessian of the layer's
-input, by LDLQ (quant/ldlq.py); and the shard of everything outside the blocks."""
+input, by LDLQ (quant/ldlq.py; the block's matrices of one entry and one column count in
+lockstep); and the shard of everything outside the blocks."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from qpalette.quant.incoherence import (
     rotate_weight,
     unrotate_weight,
 )
-from qpalette.quant.ldlq import DEFAULT_DAMP, ldl_feedback, ldlq
+from qpalette.quant.ldlq import DEFAULT_DAMP, ldl_feedback, ldlq_many
 from qpalette.quant.palette import get_quantizer
 from qpalette.quant.palette.base import QuantizedMatrix
 from qpalette.runtime.checkpoint import CODEBOOKS_MODULE, Layout, parent_and_attr, sign_seed
@@ -29,12 +30,20 @@ def _quantize_rotated(w: torch.Tensor, quantizer: str, signs: torch.Tensor, devi
                       hessian: torch.Tensor | None, damp: float) -> QuantizedMatrix:
     """W rotated (W·diag(s)·Hᵀ) and quantized: nearest rounding, or LDLQ with `hessian` (XᵀX/n
     of its input, original basis) under the same rotation."""
+    return _quantize_rotated_many([w], quantizer, [signs], device, None if hessian is None else [hessian], damp)[0]
+
+
+def _quantize_rotated_many(ws: list[torch.Tensor], quantizer: str, signs: list[torch.Tensor], device,
+                           hessians: list[torch.Tensor] | None, damp: float) -> list[QuantizedMatrix]:
+    """`_quantize_rotated` of matrices with one column count; with Hessians, LDLQ in lockstep
+    (`ldlq_many`)."""
     q = get_quantizer(quantizer)
-    w_r = rotate_weight(w.to(device, torch.float32), signs)
-    if hessian is None:
-        return q.quantize(w_r)
-    h_r = rotate_hessian(hessian.to(device, torch.float32), signs)
-    return ldlq(q, w_r, ldl_feedback(h_r, q.block_cols, damp))
+    w_r = [rotate_weight(w.to(device, torch.float32), s) for w, s in zip(ws, signs)]
+    if hessians is None:
+        return [q.quantize(w) for w in w_r]
+    feedbacks = [ldl_feedback(rotate_hessian(h.to(device, torch.float32), s), q.block_cols, damp)
+                 for h, s in zip(hessians, signs)]
+    return ldlq_many(q, w_r, feedbacks)
 
 
 def quantize_matrix(w: torch.Tensor, quantizer: str, signs: torch.Tensor, device,
@@ -50,9 +59,17 @@ def quantized_weight(w: torch.Tensor, quantizer: str, signs: torch.Tensor, devic
     """The weight a compressed layer computes with, back in W's basis (float32 on `device`): the
     codes `quantize_matrix` stores, decoded (float32 codebooks), times their fp16 row scales,
     unrotated (Ŵ = Ŵ_r · H · diag(s))."""
-    signs = signs.to(device)
-    qm = _quantize_rotated(w, quantizer, signs, device, hessian, damp)
-    return unrotate_weight(get_quantizer(quantizer).dequantize(qm), signs)
+    return quantized_weights([w], quantizer, [signs], device, None if hessian is None else [hessian], damp)[0]
+
+
+def quantized_weights(ws: list[torch.Tensor], quantizer: str, signs: list[torch.Tensor], device,
+                      hessians: list[torch.Tensor] | None = None, damp: float = DEFAULT_DAMP) -> list[torch.Tensor]:
+    """`quantized_weight` of several matrices with one column count at once (LDLQ in lockstep:
+    the same weights as one by one, in far fewer trellis calls)."""
+    signs = [s.to(device) for s in signs]
+    q = get_quantizer(quantizer)
+    return [unrotate_weight(q.dequantize(qm), s)
+            for qm, s in zip(_quantize_rotated_many(ws, quantizer, signs, device, hessians, damp), signs)]
 
 
 def _layer_tensors(w: torch.Tensor, quantizer: str, signs: torch.Tensor, device, random_seed: int | None,
@@ -80,30 +97,66 @@ def quantize_block(src: SourceCheckpoint, block: int, layers: list[LayerShape], 
         if l.input_group not in signs:
             signs[l.input_group] = random_signs(l.in_features, sign_seed(layout.sign_seed, block, l.input_group))
             out[f"{layout.rotation_of(l.name)}.signs"] = pack_signs(signs[l.input_group])
-    done: set[str] = set()
-    for l in mine:
-        if l.name in done:
-            continue
-        gname = layout.group_of(l.name)
-        members = layout.groups[gname] if gname else [l.name]
-        on_layer(gname or l.name)
-        w = torch.cat([src.get(f"{m}.weight").float() for m in members])
-        target = gname or l.name
-        seed = block * 16 + len(done) if random_codes else None
-        hessian = hessians[l.input_group] if hessians is not None else None
-        for k, v in _layer_tensors(w, layout.layers[l.name], signs[l.input_group], device, seed, hessian,
-                                   damp).items():
-            out[f"{target}.{k}"] = v
+    jobs = _block_matrices(mine, layout)
+    coded = _code_matrices(src, jobs, layout, signs, device, block if random_codes else None, on_layer, hessians,
+                           damp)
+    for (target, members, _l), tensors in zip(jobs, coded):
+        out.update({f"{target}.{k}": v for k, v in tensors.items()})
         biases = [f"{m}.bias" for m in members if f"{m}.bias" in src.files]
         if biases:
             out[f"{target}.bias"] = torch.cat([src.get(b) for b in biases]).to(half)
-        done |= set(members)
     quantized = {f"{l.name}.{s}" for l in mine for s in ("weight", "bias")}
     for name in src.files:
         if name.startswith(prefix) and name not in quantized:
             t = src.get(name)
             out[name] = t.to(half) if t.is_floating_point() else t
     return out
+
+
+def _block_matrices(mine: list[LayerShape], layout: Layout) -> list[tuple[str, list[str], LayerShape]]:
+    """(stored module name, member layers, first member) of each matrix a block stores: a fused
+    group as one, every other layer alone; in layer order."""
+    jobs, done = [], set()
+    for l in mine:
+        if l.name not in done:
+            gname = layout.group_of(l.name)
+            members = layout.groups[gname] if gname else [l.name]
+            jobs.append((gname or l.name, members, l))
+            done |= set(members)
+    return jobs
+
+
+def _code_matrices(src: SourceCheckpoint, jobs: list[tuple[str, list[str], LayerShape]], layout: Layout,
+                   signs: dict[str, torch.Tensor], device, random_block: int | None, on_layer: Callable[[str], None],
+                   hessians: dict[str, torch.Tensor] | None, damp: float) -> list[dict[str, torch.Tensor]]:
+    """The stored tensors (on CPU) of each matrix of `jobs`: one by one by nearest rounding (or,
+    with `random_block`, random codes seeded per matrix); with Hessians, the matrices of one entry
+    and one column count through LDLQ together (`ldlq_many`: the same codes, one Viterbi batch per
+    column block for all of them)."""
+    def weight(job) -> torch.Tensor:
+        return torch.cat([src.get(f"{m}.weight").float() for m in job[1]])
+
+    if hessians is None:
+        out, seen = [], 0
+        for job in jobs:
+            on_layer(job[0])
+            seed = None if random_block is None else random_block * 16 + seen
+            out.append(_layer_tensors(weight(job), layout.layers[job[2].name], signs[job[2].input_group], device,
+                                      seed, None, damp))
+            seen += len(job[1])
+        return out
+    together: dict[tuple[str, int], list[int]] = {}
+    for i, (_t, _m, l) in enumerate(jobs):
+        together.setdefault((layout.layers[l.name], l.in_features), []).append(i)
+    coded: dict[int, dict[str, torch.Tensor]] = {}
+    for (entry, _cols), idx in together.items():
+        for i in idx:
+            on_layer(jobs[i][0])
+        groups = [jobs[i][2].input_group for i in idx]
+        qms = _quantize_rotated_many([weight(jobs[i]) for i in idx], entry, [signs[g].to(device) for g in groups],
+                                     device, [hessians[g] for g in groups], damp)
+        coded.update({i: {k: v.cpu() for k, v in qm.tensors.items()} for i, qm in zip(idx, qms)})
+    return [coded[i] for i in range(len(jobs))]
 
 
 def head_weight(src: SourceCheckpoint, cfg: dict) -> torch.Tensor:

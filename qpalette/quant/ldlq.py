@@ -66,26 +66,52 @@ def ldl_feedback(h: torch.Tensor, block: int, damp: float = DEFAULT_DAMP) -> tor
 def ldlq(q: Quantizer, w: torch.Tensor, feedback: torch.Tensor) -> QuantizedMatrix:
     """Quantize w (rows × cols, rotated basis) with `q`, feeding the errors forward through
     `feedback` (from `ldl_feedback` with q.block_cols); the same stored tensors as `q.quantize`."""
-    x, row_scale = q.normalise(w)
+    return ldlq_many(q, [w], [feedback])[0]
+
+
+def ldlq_many(q: Quantizer, ws: list[torch.Tensor], feedbacks: list[torch.Tensor]) -> list[QuantizedMatrix]:
+    """`ldlq` of several matrices with the same column count, in lockstep: each column block of all
+    of them is coded by one `code_columns` call on their rows stacked. Rows are coded
+    independently, so every result is its own `ldlq`'s; what changes is that a trellis entry runs
+    one Viterbi batch per column block for all the matrices, not one per matrix (on a GPU the
+    per-call cost, not the work, dominates LDLQ of small matrices)."""
+    cols = {w.shape[1] for w in ws}
+    if len(cols) != 1 or len(ws) != len(feedbacks):
+        raise ValueError(f"ldlq_many needs one feedback per matrix and one column count, got {sorted(cols)}")
+    normalised = [q.normalise(w) for w in ws]
+    x = torch.cat([xi for xi, _ in normalised])
     n, g = x.shape[1], q.block_cols
-    a = feedback.to(x.device, torch.float32)
+    ends = torch.tensor([w.shape[0] for w in ws]).cumsum(0).tolist()
+    spans = list(zip([0] + ends[:-1], ends))
+    a = [f.to(x.device, torch.float32) for f in feedbacks]
     target = x.clone()
     err = torch.empty_like(x)  # X − X̂ of the columns coded so far
+
+    def feed(c0: int, c1: int, k0: int, k1: int) -> None:
+        """Every matrix's errors of columns c0:c1 into its targets of columns k0:k1."""
+        for (r0, r1), ai in zip(spans, a):
+            target[r0:r1, k0:k1] += err[r0:r1, c0:c1] @ ai[c0:c1, k0:k1]
+
     codes = []
     for c0 in range(0, n, CHUNK_COLS):
         c1 = min(n, c0 + CHUNK_COLS)
         for k0 in range(c0, c1, g):
             k1 = k0 + g
             if k0 > c0:  # feedback from this chunk's earlier blocks
-                target[:, k0:k1] += err[:, c0:k0] @ a[c0:k0, k0:k1]
+                feed(c0, k0, k0, k1)
             code, recon = q.code_columns(target[:, k0:k1], k0, n)
             codes.append(code)
             err[:, k0:k1] = x[:, k0:k1] - recon
         if c1 < n:  # this chunk's feedback into every later column at once
-            target[:, c1:] += err[:, c0:c1] @ a[c0:c1, c1:]
-    tensors = q.pack(torch.cat(codes, dim=1), tuple(x.shape))
-    tensors["row_scale"] = row_scale
-    return QuantizedMatrix(q.name, tuple(w.shape), tensors)
+            feed(c0, c1, c1, n)
+    all_codes = torch.cat(codes, dim=1)
+    per_row = all_codes.shape[0] / x.shape[0]  # raw codes hold rows (or 16-row tiles) along dim 0
+    out = []
+    for (r0, r1), w, (_, row_scale) in zip(spans, ws, normalised):
+        tensors = q.pack(all_codes[round(r0 * per_row):round(r1 * per_row)], tuple(w.shape))
+        tensors["row_scale"] = row_scale
+        out.append(QuantizedMatrix(q.name, tuple(w.shape), tensors))
+    return out
 
 
 def proxy_loss(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor) -> float:

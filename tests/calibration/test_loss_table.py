@@ -137,3 +137,50 @@ def test_cli_writes_the_table(trained_tiny_llama_dir, tmp_path):
     assert r.exit_code == 0, r.output
     assert list(json.loads(out.read_text())["rows"]) == ["model.layers.0.self_attn.q_proj"]
     assert lt.PARTIAL_FORMAT not in out.read_text()
+
+
+def test_windows_cut_at_block_boundaries():
+    from qpalette.models.topology import LayerShape
+
+    layers = [LayerShape(f"model.layers.{b}.mlp.{k}_proj", 16, 16, b, k) for b in range(3) for k in ("gate", "up")]
+    cells = [(l, q) for l in layers for q in ("nuq-2", "nuq-3")]  # 4 cells of 1 KiB a block
+    assert [len(w) for w in lt._windows(cells, 1 << 30)] == [12]
+    assert [len(w) for w in lt._windows(cells, 8 * 1024)] == [8, 4]
+    assert [len(w) for w in lt._windows(cells, 1)] == [4, 4, 4]  # never less than a block
+    assert [c for w in lt._windows(cells, 1) for c in w] == cells
+
+
+def test_ldlq_cells_are_the_models_loss_with_compress_weights(trained_tiny_llama_dir, tmp_path, monkeypatch):
+    """With Hessians, cells quantized together in one window (o_proj and up_proj: one column
+    count, two Hessians) equal the full model's loss increase with each layer's LDLQ weight made
+    alone (`quantized_weight` with its own Hessian)."""
+    import torch
+
+    from qpalette.calibration.data import text_windows
+    from qpalette.calibration.hessian_files import HessianSet
+    from qpalette.calibration.hessians import HessianOptions, collect_hessians
+    from qpalette.compression.blocks import quantized_weight
+    from qpalette.quant.incoherence import random_signs
+    from qpalette.runtime.checkpoint import sign_seed
+    from qpalette.runtime.loading import load_model
+
+    model_dir, text = trained_tiny_llama_dir
+    hess = tmp_path / "hess"
+    collect_hessians(HessianOptions(str(model_dir), hess, text_file=str(text), tokens=512, seq_len=128,
+                                    device="cpu", progress=False), log=lambda m: None)
+    monkeypatch.setattr(lt, "_window_bytes", lambda device: 1)  # one block a window
+    doc = build_loss_table(_opts(model_dir, text, tmp_path / "t.json", layers=r"(mlp\.up|self_attn\.o)", entries=["vq-2.0"],
+                                 hessians=str(hess)), log=lambda m: None)
+    model, tok = load_model(model_dir, "cpu", torch.float32)
+    ids = text_windows(tok, text.read_text(encoding="utf-8", errors="replace"), 4, 128)
+    h = HessianSet(hess).load(1)
+    with torch.no_grad():
+        base = float(model(input_ids=ids, labels=ids).loss)
+        for name, group in (("mlp.up_proj", "gateup"), ("self_attn.o_proj", "o")):
+            mod = model.get_submodule(f"model.layers.1.{name}")
+            saved = mod.weight.clone()
+            signs = random_signs(mod.in_features, sign_seed(0, 1, group))
+            mod.weight.copy_(quantized_weight(mod.weight, "vq-2.0", signs, "cpu", h[group]))
+            got = float(model(input_ids=ids, labels=ids).loss) - base
+            mod.weight.copy_(saved)
+            assert doc["rows"][f"model.layers.1.{name}"]["vq-2.0"] == pytest.approx(got, rel=1e-3, abs=1e-6)

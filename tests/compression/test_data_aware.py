@@ -78,6 +78,33 @@ def test_data_aware_checkpoint_runs_and_lowers_every_layers_loss(model_and_hessi
 
 
 
+def test_stored_codes_are_each_matrixs_own_ldlq(model_and_hessians, tmp_path):
+    """Matrices of one entry and one column count are coded together (qkv, o and gate_up here):
+    each stored matrix still equals `quantize_matrix` of that matrix alone with its own Hessian."""
+    from qpalette.compression.blocks import quantize_matrix
+    from qpalette.quant.incoherence import random_signs
+    from qpalette.runtime.checkpoint import sign_seed
+
+    src, hessians = model_and_hessians
+    run_compress(src, tmp_path / "q", scheme="vq-2.0", hessians=hessians)
+    stored = {}
+    for f in (tmp_path / "q").glob("*.safetensors"):
+        stored.update(load_file(str(f)))
+    weights = {}
+    for f in src.glob("*.safetensors"):
+        weights.update(load_file(str(f)))
+    h = load_file(str(hessians / "block-00001.safetensors"))
+    pre = "model.layers.1."
+    for module, members, group in (("self_attn.qkv_proj", ("q", "k", "v"), "qkv"), ("self_attn.o_proj", ("o",), "o"),
+                                   ("mlp.gate_up_proj", ("gate", "up"), "gateup"), ("mlp.down_proj", ("down",), "down")):
+        part = "self_attn" if group in ("qkv", "o") else "mlp"
+        w = torch.cat([weights[f"{pre}{part}.{m}_proj.weight"].float() for m in members])
+        signs = random_signs(w.shape[1], sign_seed(0, 1, group))
+        want = quantize_matrix(w, "vq-2.0", signs, "cpu", h[group])
+        for k, v in want.items():
+            assert torch.equal(stored[f"{pre}{module}.{k}"], v), (module, k)
+
+
 def test_resume_with_hessians_gives_identical_shards(model_and_hessians, tmp_path, monkeypatch):
     src, hessians = model_and_hessians
     run_compress(src, tmp_path / "whole", scheme="vq-2.0", hessians=hessians)

@@ -8,7 +8,7 @@ import torch
 
 from qpalette.errors import InputError
 from qpalette.quant.incoherence import random_signs, rotate_hessian, rotate_weight
-from qpalette.quant.ldlq import block_ldl, ldl_feedback, ldlq, proxy_loss
+from qpalette.quant.ldlq import block_ldl, ldl_feedback, ldlq, ldlq_many, proxy_loss
 from qpalette.quant.palette import get_quantizer
 
 # one small entry of each family; trellis shapes stay at 2×4 tiles (Viterbi is slow on a CPU)
@@ -66,6 +66,27 @@ def test_uncorrelated_inputs_give_the_data_free_codes(name):
         assert got.keys() == want.keys()
         for k in want:
             assert torch.equal(got[k], want[k]), (name, k)
+
+
+@pytest.mark.parametrize("name", ENTRIES)
+def test_lockstep_equals_one_by_one(name, monkeypatch):
+    """Matrices of different row counts and Hessians coded together give each its own codes, with
+    one coding call per column block for all of them."""
+    q, (rows, cols) = get_quantizer(name), ENTRIES[name]
+    ws = [weights((rows, cols), seed=8), weights((rows // 2, cols), seed=9) * 3, weights((rows, cols), seed=10)]
+    fbs = [ldl_feedback(spd(cols, s), q.block_cols) for s in (11, 12, 13)]
+    calls = []
+    real = type(q).code_columns
+    monkeypatch.setattr(type(q), "code_columns", lambda self, x, *a: calls.append(x.shape[0]) or real(self, x, *a))
+    together = ldlq_many(q, ws, fbs)
+    assert calls == [rows * 5 // 2] * (cols // q.block_cols)
+    for w, fb, got in zip(ws, fbs, together):
+        want = ldlq(q, w, fb)
+        assert got.shape == want.shape and got.tensors.keys() == want.tensors.keys()
+        for k in want.tensors:
+            assert torch.equal(got.tensors[k], want.tensors[k]), (name, k)
+    with pytest.raises(ValueError, match="one column count"):
+        ldlq_many(q, [ws[0], ws[0][:, :16]], fbs[:2])
 
 
 def test_rotated_hessian_keeps_the_proxy_loss():
