@@ -97,6 +97,18 @@ def test_compress_load_generate_round_trip(family, ids, tmp_path):
         assert torch.equal(reloaded(ids).logits, got)
 
 
+def test_in_memory_quantize_equals_compress_then_load(family, ids):
+    from transformers import AutoModelForCausalLM
+
+    mt, src, out = family
+    q = qpalette.quantize(AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32), "nuq-4", device="cpu")
+    loaded, _ = qpalette.load_model(out)
+    got, want = q.state_dict(), loaded.state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in got)
+    with torch.no_grad():
+        assert torch.equal(q(ids).logits, loaded(ids).logits)
+
+
 def test_stored_bytes_match_the_walk(family):
     mt, src, out = family
     rep = json.loads((out / "qpalette-compress.json").read_text())
