@@ -172,10 +172,8 @@ class Walk:
         """Parameter counts of what stays 16-bit, by category, with the layers in `quantized` quantized."""
         out: dict[str, int] = {}
         for name, category, n in self.params:
-            module = name.rpartition(".")[0]
-            if module not in quantized and category in ("attention_bias", "mlp_bias") and \
-                    any(l.name == module for l in self.layers):
-                category = "unquantized_linears"
+            if category in ("attention_bias", "mlp_bias") and name.rpartition(".")[0] not in quantized:
+                category = "unquantized_linears"  # the bias of a linear layer left 16-bit
             out[category] = out.get(category, 0) + n
         unquantized_weights = sum(l.numel for l in self.layers if l.name not in quantized)
         if unquantized_weights:

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from tiny_llama import make_tiny_llama
 
 import qpalette
+from qpalette.errors import CompressError
 from qpalette.models.experts import ExpertMLP, PerExpertMLP, unfuse_experts
 from qpalette.models.topology import linear_layers, load_config, unquantized_params
 from qpalette.runtime.checkpoint import simulated_weights
@@ -140,7 +141,10 @@ def test_targets_and_ignore_choose_the_layers(tmp_path, ids):
     assert names and not any(".experts." in n for n in names)
     assert [l.name for l in linear_layers(cfg, targets=[r"self_attn\.q_proj$"])] == [
         "model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"]
-    run_compress(src, tmp_path / "q", scheme="nuq-4", ignore=[r"\.experts\."])
+    rep = run_compress(src, tmp_path / "q", scheme="nuq-4", ignore=[r"\.experts\."])
+    unquantized = unquantized_params(cfg, ignore=[r"\.experts\."])
+    assert unquantized["unquantized_linears"] == 2 * 4 * 3 * 64 * 128  # blocks × experts × projections
+    assert rep["bytes"]["unquantized_modules"] == 2 * sum(unquantized.values())
     layout = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
     assert set(layout["layers"]) == set(names)
     stored = shard_tensors(tmp_path / "q")
@@ -238,3 +242,22 @@ def test_unsupported_model_is_one_line(tmp_path, cfg, says):
     assert res.exit_code == 2
     lines = [line for line in res.output.splitlines() if line.strip() and "[transformers]" not in line]
     assert len(lines) == 1 and lines[0].endswith("unsupported model: " + says), res.output
+
+
+def test_a_plan_keeps_its_layer_choice(tmp_path):
+    """plan --ignore records the patterns; compress with that plan selects the same layers."""
+    src = make_tiny_llama(tmp_path / "src", model_type="qwen3_moe", **FAMILIES["qwen3_moe"])
+    ignore = [r"\.experts\.[13]\."]
+    layers = linear_layers(load_config(src), ignore=ignore)
+    sens = tmp_path / "sens.json"
+    sens.write_text(json.dumps({"format": "qpalette.sensitivity/1", "model": str(src), "protocol": "test",
+                                "tokens": None, "layers": {l.name: {"a": 1.0, "r2": None,
+                                                                    "shape": [l.out_features, l.in_features]}
+                                                           for l in layers}}))
+    plan = qpalette.plan(str(src), "4bits", sensitivity=sens, output=tmp_path / "plan.json", palette=["nuq"],
+                         ignore=ignore)
+    assert plan.options["ignore"] == ignore and set(plan.layers) == {l.name for l in layers}
+    rep = run_compress(src, tmp_path / "q", plan=tmp_path / "plan.json")
+    assert rep["bytes"]["total"] == plan.totals["bytes"]["total"]
+    with pytest.raises(CompressError, match="missing from the plan"):
+        run_compress(src, tmp_path / "q2", plan=tmp_path / "plan.json", ignore=[])
