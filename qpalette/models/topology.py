@@ -54,7 +54,7 @@ GROUP_ALIASES = {"gate_up": "gateup", "q_k": "qk", "k_v": "kv", "q_v": "qv", "q_
 #: `qpalette_<type>` is registered with transformers on `import qpalette`; any other decoder whose
 #: blocks walk (models/walk.py) is tried too, its type registered when it is loaded
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "mixtral",
-                         "qwen3_moe")
+                         "qwen3_moe", "qwen2_moe", "olmoe")
 UNQUANTIZED_BYTES_PER_PARAM = 2  # embeddings, lm_head, norms, biases stay in fp16/bf16
 #: module attribute names whose kind is not the name without `_proj`
 KIND_ALIASES = {"gate_up": "gateup", "w1": "gate", "w3": "up", "w2": "down", "lm_head": "head"}

@@ -31,6 +31,9 @@ FAMILIES = {
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
     "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "head_dim": 16,
                   "mlp_only_layers": [1]},  # block 1 a dense MLP
+    "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,  # + a shared expert
+                  "shared_expert_intermediate_size": 128},
+    "olmoe": {"num_experts": 4, "num_experts_per_tok": 2},
 }
 
 
