@@ -89,7 +89,9 @@ def plan(model: str | None, budget: str | list[str], *, sensitivity: str | Path 
     "200tok/s"; a list or comma list combines them); written to `output` (and a bits-per-layer PNG to
     `plot`) when given. `options`: loss_table (a `loss_table` file whose measured losses replace
     a_l·err(q); `sensitivity` is then optional), latency_profile, distortion, palette, fuse,
-    batch_size, time_limit_s, lm_head ("auto", "quantize", "keep")."""
+    batch_size, time_limit_s, lm_head ("auto", "quantize", "keep"), targets/ignore (regular
+    expressions choosing the layers; default: every linear layer of the decoder blocks less MoE
+    routers)."""
     from qpalette.planning.document import plot_plan, write_plan
     from qpalette.planning.planner import plan as make
 
@@ -131,7 +133,8 @@ def compress(model: str, plan_or_scheme: str | Path, out_dir: str | Path, *, log
     `plan_or_scheme`: a plan file from `plan`, or one palette entry for every layer ("tcq-3.0").
     `options` are the fields of `qpalette.compression.writer.CompressOptions` (fuse, device, resume,
     overwrite, sign_seed, quiet, random_codes, lm_head, hessians: a folder from `hessians` for
-    data-aware LDLQ rounding, damp)."""
+    data-aware LDLQ rounding, damp, targets/ignore: regular expressions choosing the layers, by
+    default every linear layer of the decoder blocks less MoE routers, or those the plan chose)."""
     from qpalette.compression.layout import plan_or_scheme as parse
     from qpalette.compression.writer import CompressOptions
     from qpalette.compression.writer import compress as run
@@ -142,14 +145,17 @@ def compress(model: str, plan_or_scheme: str | Path, out_dir: str | Path, *, log
 
 
 def quantize(model, plan_or_scheme: str | Path, *, lm_head: bool = False, fuse: bool = True, sign_seed: int = 0,
-             device: str = "auto"):
+             device: str = "auto", targets: list[str] | None = None, ignore: list[str] | None = None):
     """Quantize an already loaded transformers model in place (returned): the same modules and the
     same numbers as `compress` then loading the checkpoint, without writing files. `plan_or_scheme`:
     a plan file from `plan`, or one palette entry for every layer ("tcq-3.0"); `device`: where to
-    quantize. To keep the result, use `compress` (it writes the checkpoint)."""
+    quantize; `targets`/`ignore`: regular expressions choosing the layers (default: every linear
+    layer of the decoder blocks, MoE routers ignored). To keep the result, use `compress` (it writes
+    the checkpoint)."""
     from qpalette.compression.in_memory import quantize_model
 
-    return quantize_model(model, plan_or_scheme, lm_head=lm_head, fuse=fuse, sign_seed=sign_seed, device=device)
+    return quantize_model(model, plan_or_scheme, lm_head=lm_head, fuse=fuse, sign_seed=sign_seed, device=device,
+                          targets=targets, ignore=ignore)
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,

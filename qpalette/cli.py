@@ -112,6 +112,13 @@ def palette(
     _write_json(json_out, [asdict(r) for r in rows_out])
 
 
+def _patterns(values: list[str] | None) -> list[str] | None:
+    """--ignore's patterns: None when not given (the defaults), [] for a lone empty one (nothing)."""
+    if not values:
+        return None
+    return [v for v in values if v]
+
+
 @app.command()
 def calibrate(
     model: str = typer.Argument(
@@ -138,6 +145,14 @@ def calibrate(
     batch_size: int = typer.Option(0, "--batch-size", help="Sequences per forward pass (0: automatic)."),
     dtype: str = typer.Option("auto", help="auto (cpu float32, cuda tf32), float32, tf32, bfloat16, float16."),
     layers: Optional[str] = typer.Option(None, help="Only layers whose name matches this regex."),
+    targets: Optional[list[str]] = typer.Option(
+        None, "--targets", help="Regular expression of layer names to quantize (repeatable; default: every "
+        "linear layer of the decoder blocks)."
+    ),
+    ignore: Optional[list[str]] = typer.Option(
+        None, "--ignore", help="Regular expression of layer names to leave 16-bit (repeatable; default: MoE "
+        "routers). --ignore '' ignores nothing."
+    ),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run of OUTPUT."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
@@ -146,7 +161,8 @@ def calibrate(
         model, output, devices=device, num_seqs=num_seqs, seq_len=seq_len, levels=levels, t_max=t_max,
         seed=seed, batch_size=batch_size, dtype=dtype, dataset=dataset,
         text_file=str(text_file) if text_file else None, layers=layers, resume=resume, progress=not quiet,
-        directions=directions, loss=loss, log=lambda m: typer.echo(m, err=True),
+        directions=directions, loss=loss, targets=targets or None, ignore=_patterns(ignore),
+        log=lambda m: typer.echo(m, err=True),
     )
     t = doc["timing"]
     typer.echo(
@@ -262,6 +278,15 @@ def plan(
     ),
     batch_size: Optional[int] = typer.Option(None, help="Must match the latency profile's."),
     time_limit: float = typer.Option(60.0, help="SCIP time limit in seconds."),
+    targets: Optional[list[str]] = typer.Option(
+        None, "--targets", help="Regular expression of layer names to quantize (repeatable; default: every "
+        "linear layer of the decoder blocks)."
+    ),
+    ignore: Optional[list[str]] = typer.Option(
+        None, "--ignore", help="Regular expression of layer names to leave 16-bit (repeatable; default: MoE "
+        "routers). --ignore '' ignores nothing."
+    ),
+
     output: Path = typer.Option(Path("plan.json"), "--output", "-o"),
     plot: Optional[Path] = typer.Option(None, help="PNG of bits per layer (default: OUTPUT.png)."),
     no_plot: bool = typer.Option(False, "--no-plot"),
@@ -289,6 +314,7 @@ def plan(
         model, budget, sensitivity=sensitivity, output=output, plot=png, loss_table=loss_table,
         latency_profile=latency_profile, distortion=distortion, palette=palette_,
         fuse=not no_fuse, batch_size=batch_size, time_limit_s=time_limit, lm_head=lm_head,
+        targets=targets or None, ignore=_patterns(ignore),
     )
     typer.echo(api.describe_plan(p, layers=False))
     typer.echo(f"wrote {output}" + (f" and {png}" if png else ""))
@@ -325,6 +351,14 @@ def compress(
         None, "--hessians", help="Data-aware: a folder from `qpalette hessians`; layers are rounded by LDLQ."
     ),
     damp: float = typer.Option(0.01, "--damp", help="With --hessians: LDLQ damping, a fraction of mean diag(H)."),
+    targets: Optional[list[str]] = typer.Option(
+        None, "--targets", help="Regular expression of layer names to quantize (repeatable; default: every "
+        "linear layer of the decoder blocks)."
+    ),
+    ignore: Optional[list[str]] = typer.Option(
+        None, "--ignore", help="Regular expression of layer names to leave 16-bit (repeatable; default: MoE "
+        "routers; with --plan: the plan's). --ignore '' ignores nothing."
+    ),
     json_out: Optional[Path] = typer.Option(None, "--json", help=JSON_HELP),
 ) -> None:
     """Rotate and quantize a model block by block into a checkpoint transformers loads
@@ -333,7 +367,8 @@ def compress(
         fail("give exactly one of --plan PLAN.json or --scheme ENTRY (e.g. tcq-3.0)")
     rep = api.compress(model, plan_file or scheme, output, fuse=fuse, device=device, resume=resume,
                        overwrite=overwrite, sign_seed=seed, quiet=quiet, random_codes=random_codes,
-                       lm_head=lm_head, hessians=hessians, damp=damp, log=lambda m: typer.echo(m, err=True))
+                       lm_head=lm_head, hessians=hessians, damp=damp, targets=targets or None,
+                       ignore=_patterns(ignore), log=lambda m: typer.echo(m, err=True))
     by = rep["bytes"]
     say = _say(json_out)
     say(

@@ -14,6 +14,7 @@ from torch import nn
 from qpalette.calibration.evaluator import block_input, block_output, decoder_blocks
 from qpalette.compression.source import SourceCheckpoint
 from qpalette.errors import ModelError
+from qpalette.models.experts import unfuse_experts
 
 
 class BlockStream:
@@ -25,7 +26,7 @@ class BlockStream:
         try:
             config = AutoConfig.from_pretrained(str(model_dir))
             with torch.device("meta"):
-                self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+                self.model = unfuse_experts(AutoModelForCausalLM.from_config(config, dtype=torch.float32))
         except Exception as e:  # noqa: BLE001 — transformers raises many kinds for an unusable config
             first = (str(e).splitlines() or [""])[0][:200]
             raise ModelError(f"cannot build the model of {model_dir}: {first}") from None
@@ -47,7 +48,7 @@ class BlockStream:
         module.load_state_dict(state, strict=True, assign=True)
 
     def embed(self, ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """(input of block 0, the blocks' keyword arguments: mask, rotary tables) for token ids."""
+        """(input of block 0, each block's keyword arguments: mask, rotary tables) for token ids."""
         with torch.no_grad():
             return block_input(self.model, ids.to(self.device))
 

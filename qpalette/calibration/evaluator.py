@@ -11,6 +11,8 @@ j; `mean_kl()` / `mean_nll()` then run blocks j.. of the current (perturbed) mod
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -29,17 +31,19 @@ def decoder_blocks(model):
     return layers
 
 
-def linear_layers(model) -> list[tuple[str, torch.nn.Linear, int]]:
-    """(full name, module, block index) of every nn.Linear inside the decoder blocks, in order,
-    then lm_head (block index: one past the last block, where only the head runs)."""
-    out = []
+def linear_layers(model, targets: list[str] | None = None, ignore: list[str] | None = None
+                  ) -> list[tuple[str, torch.nn.Linear, int]]:
+    """(full name, module, block index) of every quantizable layer inside the decoder blocks, in
+    order (models/walk.py: `targets`/`ignore` select them), then lm_head (block index: one past
+    the last block, where only the head runs). MoE experts must be split (load_model does it)."""
+    from qpalette.models.topology import HEAD
+    from qpalette.models.topology import linear_layers as model_layers
+
     blocks = decoder_blocks(model)
-    for j, block in enumerate(blocks):
-        for name, mod in block.named_modules():
-            if isinstance(mod, torch.nn.Linear):
-                out.append((f"model.layers.{j}.{name}", mod, j))
+    out = [(l.name, model.get_submodule(l.name), l.block)
+           for l in model_layers(model.config.to_dict(), targets=targets, ignore=ignore)]
     if isinstance(model.lm_head, torch.nn.Linear):
-        out.append(("lm_head", model.lm_head, len(blocks)))
+        out.append((HEAD, model.lm_head, len(blocks)))
     return out
 
 
@@ -61,26 +65,42 @@ def block_output(out):
 
 
 def block_input(model, ids):
-    """(input of block 0, its keyword arguments without the KV cache) for one batch of token ids:
-    the model runs only up to block 0, whose weights are never read (they may be on the meta device)."""
-    box = {}
+    """(input of block 0, each block's keyword arguments without the KV cache) for one batch of
+    token ids: the model runs with every block swapped for a recorder of its arguments, so no block
+    weight is read (they may be on the meta device). Blocks may get different arguments (Gemma's
+    sliding-window and global layers: their masks and rotary tables)."""
+    blocks = decoder_blocks(model)
+    box: dict = {"kw": []}
 
-    def hook(_mod, args, kwargs):
-        box["h"] = args[0] if args else kwargs.pop("hidden_states")
-        box["kw"] = {k: v for k, v in kwargs.items() if k != "hidden_states"}
-        raise _Stop
+    def recorder(j, hidden_states, *args, **kwargs):
+        if j == 0:
+            box["h"] = hidden_states
+        kwargs.pop("past_key_values", None)
+        box["kw"].append({**kwargs, "use_cache": False})
+        if j == len(blocks) - 1:
+            raise _Stop
+        return hidden_states
 
-    handle = decoder_blocks(model)[0].register_forward_pre_hook(hook, with_kwargs=True)
+    for j, blk in enumerate(blocks):
+        blk.forward = functools.partial(recorder, j)
     try:
         model.model(input_ids=ids, use_cache=False)
     except _Stop:
         pass
     finally:
-        handle.remove()
-    kw = box["kw"]
-    kw.pop("past_key_values", None)
-    kw["use_cache"] = False
-    return box["h"], kw
+        for blk in blocks:
+            del blk.forward
+    return box["h"], box["kw"]
+
+
+def final_logits(model, h: torch.Tensor) -> torch.Tensor:
+    """lm_head of the final norm of the last block's output, soft-capped where the model caps its
+    logits (Gemma-2's final_logit_softcapping)."""
+    logits = model.lm_head(model.model.norm(h))
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
 
 
 class BlockEvaluator:
@@ -89,12 +109,11 @@ class BlockEvaluator:
     def __init__(self, model, tokens: torch.Tensor, batch_size: int, device, cache_ref_bytes: int):
         self.model = model
         self.blocks = decoder_blocks(model)
-        self.norm = model.model.norm
         self.head = model.lm_head
         self.device = torch.device(device)
         self.chunks = [tokens[i: i + batch_size] for i in range(0, tokens.shape[0], batch_size)]
         self.n_tokens = tokens.numel()
-        self.kwargs = {}  # block keyword arguments, by chunk size
+        self.kwargs = {}  # each block's keyword arguments, by chunk size
         self.hidden = []  # input of block `self.block` for each chunk
         self.block = 0
         self.final = []  # unperturbed final hidden states, when the reference log-probs do not fit
@@ -120,12 +139,12 @@ class BlockEvaluator:
 
     def _run_blocks(self, start: int, h):
         kw = self.kwargs[h.shape[0]]
-        for blk in self.blocks[start:]:
-            h = block_output(blk(h, **kw))
+        for j in range(start, len(self.blocks)):
+            h = block_output(self.blocks[j](h, **kw[j]))
         return h
 
     def _logprobs(self, h):
-        logits = self.head(self.norm(h))
+        logits = final_logits(self.model, h)
         if logits.dtype not in (torch.float32, torch.float64):
             logits = logits.float()
         return F.log_softmax(logits, dim=-1)
@@ -137,7 +156,7 @@ class BlockEvaluator:
             raise ValueError("the block cache only moves forward")
         while self.block < block:
             j = self.block
-            self.hidden = [block_output(self.blocks[j](h, **self.kwargs[h.shape[0]])) for h in self.hidden]
+            self.hidden = [block_output(self.blocks[j](h, **self.kwargs[h.shape[0]][j])) for h in self.hidden]
             self.block += 1
 
     @torch.no_grad()
@@ -157,7 +176,7 @@ class BlockEvaluator:
         tokens: the calibration loss of the data-aware protocols (docs/method.md §4, §8)."""
         total, count = 0.0, 0
         for chunk, h in zip(self.chunks, self.hidden):
-            logits = self.head(self.norm(self._run_blocks(self.block, h)))[:, :-1]
+            logits = final_logits(self.model, self._run_blocks(self.block, h))[:, :-1]
             target = chunk[:, 1:].to(logits.device)
             total += float(F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1),
                                            reduction="sum").double())

@@ -22,7 +22,7 @@ from safetensors.torch import save as save_bytes
 
 from qpalette.errors import InputError, ModelError
 from qpalette.fileio import atomic_write, read_json_object
-from qpalette.models.topology import LayerShape, dims
+from qpalette.models.topology import LayerShape, dims, linear_layers
 
 FORMAT = "qpalette.hessians/1"
 MANIFEST = "hessians.json"
@@ -45,11 +45,11 @@ def input_groups(layers: list[LayerShape]) -> dict[int, dict[str, list[LayerShap
 
 def model_fingerprint(src, cfg: dict) -> str:
     """What identifies a model for its Hessians: its shapes and the float32 values of its first
-    q_proj and last down_proj (a fine-tune of the same shapes differs; a bf16 and a float32 copy
-    of the same weights do not)."""
+    and last block layers (q_proj of block 0 and the last down_proj for Llama; a fine-tune of the
+    same shapes differs; a bf16 and a float32 copy of the same weights do not)."""
     h = hashlib.sha256(json.dumps(dims(cfg), sort_keys=True).encode())
-    last = dims(cfg)["blocks"] - 1
-    for name in ("model.layers.0.self_attn.q_proj.weight", f"model.layers.{last}.mlp.down_proj.weight"):
+    layers = linear_layers(cfg, targets=[".*"], ignore=[])
+    for name in (f"{layers[0].name}.weight", f"{layers[-1].name}.weight"):
         if name not in src.files:
             raise ModelError(f"{src.folder}: {name} is missing from the checkpoint")
         h.update(src.get(name).float().contiguous().view(torch.uint8).numpy().tobytes())

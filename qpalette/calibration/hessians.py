@@ -239,7 +239,7 @@ def _run_block(stream: BlockStream, j: int, hidden: list[torch.Tensor], kwargs: 
             acc.hook(block.get_submodule(ls[0].name.removeprefix(f"model.layers.{j}.")), g)
     try:
         for i, h in enumerate(hidden):
-            hidden[i] = stream.run(block, h, kwargs[h.shape[0]])
+            hidden[i] = stream.run(block, h, kwargs[h.shape[0]][j])
     finally:
         if acc is not None:
             acc.close()

@@ -36,7 +36,7 @@ from qpalette.calibration.noise import Settings, fit_through_origin, noise_level
 from qpalette.calibration.resume import PartialRun
 from qpalette.calibration.workers import run_on_devices
 from qpalette.devices import DTYPE_NAMES, dtype_name, resolve_devices, resolve_dtype
-from qpalette.errors import CalibrationError
+from qpalette.errors import CalibrationError, ModelError
 from qpalette.fileio import atomic_write_json, output_lock
 from qpalette.progress import progress_bar
 
@@ -67,6 +67,8 @@ class CalibrateOptions:
     dataset: str | None = None
     text_file: str | None = None
     layers: str | None = None  # regex filter on layer names
+    targets: list[str] | None = None  # regular expressions choosing the quantizable layers (models/walk.py)
+    ignore: list[str] | None = None
     directions: str = "shared"  # one noise direction per layer scaled over the levels, or fresh per level
     loss: str = "auto"  # auto: kl data-free, ce data-aware (see LOSS_TEXT)
     resume: bool = False
@@ -130,6 +132,7 @@ def header(opts: CalibrateOptions, source: str, n_seqs: int) -> dict:
         "layer_filter": opts.layers,
         "loss": LOSS_TEXT[loss_kind(opts)],
         "directions": opts.directions,
+        **{k: v for k, v in (("targets", opts.targets), ("ignore", opts.ignore)) if v is not None},
         "noise": "W <- W + t*||W||_F*eps/||eps||_F, eps ~ N(0,I) "
                  + ("one per layer, scaled over the levels" if opts.directions == "shared"
                     else "fresh per (layer, level)") + "; err = t^2",
@@ -273,7 +276,10 @@ def _calibrate(opts: CalibrateOptions, log: Callable[[str], None]) -> dict:
     device = torch.device(opts.devices[0])
     dtype = resolve_dtype(opts.dtype, device, auto_cuda="tf32")
     model, tok = load_model(model_dir, device, dtype)
-    layers = linear_layers(model)
+    try:
+        layers = linear_layers(model, opts.targets, opts.ignore)
+    except ModelError as e:
+        raise CalibrationError(str(e)) from None
     names = selected_layers(layers, opts.layers)
     shapes = {n: list(m.weight.shape) for n, m, _b in layers}
     del layers

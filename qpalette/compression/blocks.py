@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 
 from qpalette.compression.source import SourceCheckpoint
-from qpalette.models.topology import HEAD, LayerShape
+from qpalette.models.topology import HEAD, LayerShape, head_layer
 from qpalette.quant.codebooks import codebook
 from qpalette.quant.incoherence import (
     pack_signs,
@@ -96,7 +96,7 @@ def quantize_block(src: SourceCheckpoint, block: int, layers: list[LayerShape], 
     for l in mine:
         if l.input_group not in signs:
             signs[l.input_group] = random_signs(l.in_features, sign_seed(layout.sign_seed, block, l.input_group))
-            out[f"{layout.rotation_of(l.name)}.signs"] = pack_signs(signs[l.input_group])
+            out[f"{l.rotation}.signs"] = pack_signs(signs[l.input_group])
     jobs = _block_matrices(mine, layout)
     coded = _code_matrices(src, jobs, layout, signs, device, block if random_codes else None, on_layer, hessians,
                            damp)
@@ -184,7 +184,7 @@ def other_tensors(src: SourceCheckpoint, cfg: dict, layout: Layout, device, half
         w = head_weight(src, cfg).float()
         blocks = cfg["num_hidden_layers"]
         signs = random_signs(w.shape[1], sign_seed(layout.sign_seed, blocks, "head"))
-        out[f"{layout.rotation_of(HEAD)}.signs"] = pack_signs(signs)
+        out[f"{head_layer(cfg).rotation}.signs"] = pack_signs(signs)
         seed = blocks * 16 if random_codes else None
         hessian = hessians["head"] if hessians is not None else None
         for k, v in _layer_tensors(w, layout.layers[HEAD], signs, device, seed, hessian, damp).items():

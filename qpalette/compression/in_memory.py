@@ -15,15 +15,18 @@ from qpalette.compression.layout import resolve_layout
 from qpalette.compression.source import StateDictSource, half_dtype
 from qpalette.devices import resolve_device
 from qpalette.errors import InputError, ModelError
-from qpalette.models.topology import HEAD, check_config, linear_layers
+from qpalette.models.experts import unfuse_experts
+from qpalette.models.topology import HEAD, check_config
 from qpalette.runtime.checkpoint import convert_model
 from qpalette.runtime.loading import is_quantized
 
 
 def quantize_model(model, plan_or_scheme: str | Path, *, lm_head: bool = False, fuse: bool = True,
-                   sign_seed: int = 0, device: str = "auto"):
+                   sign_seed: int = 0, device: str = "auto", targets: list[str] | None = None,
+                   ignore: list[str] | None = None):
     """Quantize `model` (a transformers causal LM) in place and return it. `plan_or_scheme`: a
-    plan file, or one palette entry for every layer; `device`: where to quantize."""
+    plan file, or one palette entry for every layer; `device`: where to quantize; `targets`/
+    `ignore`: regular expressions choosing the layers (models/walk.py)."""
     if is_quantized(model):
         raise InputError("this model is already quantized")
     cfg = model.config.to_dict()
@@ -32,7 +35,8 @@ def quantize_model(model, plan_or_scheme: str | Path, *, lm_head: bool = False, 
     except ModelError as e:
         raise InputError(str(e)) from None
     scheme, plan_file = parse_plan_or_scheme(plan_or_scheme)
-    layout, _, layers = resolve_layout(cfg, linear_layers(cfg), scheme, plan_file, lm_head, fuse, sign_seed)
+    layout, _, layers = resolve_layout(cfg, scheme, plan_file, lm_head, fuse, sign_seed, targets, ignore)
+    unfuse_experts(model)  # the state dict then names each expert's layers
     src, half, dev = StateDictSource(model.state_dict()), half_dtype(cfg), resolve_device(device)
     tensors: dict[str, torch.Tensor] = {}
     for block in range(cfg["num_hidden_layers"]):

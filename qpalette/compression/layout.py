@@ -4,8 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qpalette.errors import CompressError, UnknownQuantizer, UnsupportedShape
-from qpalette.models.topology import LayerShape, group_module, head_layer
+from qpalette.errors import CompressError, ModelError, UnknownQuantizer, UnsupportedShape
+from qpalette.models.topology import (
+    GROUP_MODULES,
+    LayerShape,
+    group_key,
+    group_module,
+    head_layer,
+    linear_layers,
+)
 from qpalette.planning.document import Plan
 from qpalette.quant.hadamard import decompose
 from qpalette.quant.palette import get_quantizer
@@ -15,15 +22,14 @@ from qpalette.runtime.checkpoint import Layout
 def layout_from_scheme(scheme: str, layers: list[LayerShape], fuse: bool, seed: int) -> Layout:
     q = get_quantizer(scheme).name
     groups: dict[str, list[str]] = {}
-    if fuse:
-        by_parent: dict[tuple[int, str], list[LayerShape]] = {}
+    if fuse:  # the layers of one input group fuse when their kinds make a group (q, k, v; gate, up)
+        by_input: dict[tuple[int, str], list[LayerShape]] = {}
         for l in layers:
-            if l.input_group in ("qkv", "gateup"):
-                by_parent.setdefault((l.block, l.input_group), []).append(l)
-        for members in by_parent.values():
-            names = [m.name for m in members]
-            gname = group_module(names[0], [m.kind for m in members])
-            groups[gname] = names
+            by_input.setdefault((l.block, l.input_group), []).append(l)
+        for members in by_input.values():
+            kinds = [m.kind for m in members]
+            if len(members) > 1 and group_key(kinds) in GROUP_MODULES:
+                groups[group_module(members[0].name, kinds)] = [m.name for m in members]
     return Layout({l.name: q for l in layers}, groups, seed)
 
 
@@ -82,20 +88,27 @@ def plan_or_scheme(value: str | Path) -> tuple[str | None, Path | None]:
     return get_quantizer(text).name, None
 
 
-def resolve_layout(cfg: dict, layers: list[LayerShape], scheme: str | None, plan_path: Path | None, lm_head: bool,
-                   fuse: bool, seed: int) -> tuple[Layout, Plan | None, list[LayerShape]]:
+def resolve_layout(cfg: dict, scheme: str | None, plan_path: Path | None, lm_head: bool, fuse: bool, seed: int,
+                   targets: list[str] | None = None, ignore: list[str] | None = None
+                   ) -> tuple[Layout, Plan | None, list[LayerShape]]:
     """(layout, plan or None, the layers it quantizes) of a scheme or a plan file, shapes checked:
-    what compress and the in-memory quantize both start from."""
+    what compress and the in-memory quantize both start from. The layers are chosen by
+    `targets`/`ignore` (models/walk.py), by default those a plan was made with."""
     if lm_head and plan_path is not None:
         raise CompressError("--lm-head goes with --scheme; a plan says itself whether lm_head is quantized")
     try:
         if scheme:
-            layers = layers + ([head_layer(cfg)] if lm_head else [])
+            layers = linear_layers(cfg, lm_head, targets, ignore)
             layout, plan = layout_from_scheme(scheme, layers, fuse, seed), None
         else:
+            chosen = Plan.load(plan_path).options
+            layers = linear_layers(cfg, False, chosen.get("targets") if targets is None else targets,
+                                   chosen.get("ignore") if ignore is None else ignore)
             layout, plan = layout_from_plan(plan_path, layers, fuse, seed, head_layer(cfg))
             layers = [l for l in layers + [head_layer(cfg)] if l.name in layout.layers]
     except UnknownQuantizer as e:
+        raise CompressError(str(e)) from None
+    except ModelError as e:
         raise CompressError(str(e)) from None
     check_shapes(layout, layers)
     return layout, plan, layers

@@ -11,17 +11,20 @@ from safetensors import SafetensorError, safe_open
 
 from qpalette.errors import CompressError
 from qpalette.fileio import read_json_object
+from qpalette.models.experts import module_name
 
 
 class SourceCheckpoint:
-    """Tensor name → safetensors file of a Hugging Face model folder (single or sharded)."""
+    """Tensor name → safetensors file of a Hugging Face model folder (single or sharded). Names are
+    the module tree's (`files`): a Mixtral checkpoint's per-expert tensors are read under the names
+    of the split experts (models/experts.py)."""
 
     def __init__(self, folder: Path):
         self.folder = folder
         index = folder / "model.safetensors.index.json"
         if index.is_file():
             data = read_json_object(index, "safetensors index", CompressError)
-            self.files = {k: folder / v for k, v in data.get("weight_map", {}).items()}
+            stored_files = {k: folder / v for k, v in data.get("weight_map", {}).items()}
         else:
             files = sorted(folder.glob("*.safetensors"))
             if not files:
@@ -31,10 +34,9 @@ class SourceCheckpoint:
                         "safetensors only: convert with `model.save_pretrained(dir)` first"
                     )
                 raise CompressError(f"{folder} has no .safetensors weights")
-            self.files = {}
-            for f in files:
-                for k in self._open(f).keys():
-                    self.files[k] = f
+            stored_files = {k: f for f in files for k in self._open(f).keys()}
+        self.stored = {module_name(k): k for k in stored_files}
+        self.files = {name: stored_files[k] for name, k in self.stored.items()}
         self._handles: dict[Path, object] = {}
 
     def _open(self, f: Path):
@@ -48,7 +50,7 @@ class SourceCheckpoint:
         if f not in self._handles:
             self._handles[f] = self._open(f)
         try:
-            t = self._handles[f].get_tensor(name)
+            t = self._handles[f].get_tensor(self.stored[name])
         except (SafetensorError, OSError) as e:
             raise CompressError(f"cannot read tensor {name} from {f}: {e}") from None
         check_finite(t, f"{name} in {f.name}")

@@ -40,7 +40,6 @@ from qpalette.models.topology import (
     LayerShape,
     base_model_type,
     check_config,
-    linear_layers,
     load_config,
 )
 from qpalette.planning.document import Plan
@@ -75,6 +74,8 @@ class CompressOptions:
     lm_head: bool = False  # with a scheme: quantize lm_head too (a plan says for itself)
     hessians: Path | None = None  # a `qpalette hessians` folder: data-aware LDLQ instead of nearest rounding
     damp: float = DEFAULT_DAMP  # LDLQ's damping, a fraction of the mean diagonal of H (with hessians)
+    targets: list[str] | None = None  # regular expressions choosing the layers (models/walk.py)
+    ignore: list[str] | None = None  # … and those left 16-bit; a plan's own by default
 
 
 @dataclass
@@ -128,10 +129,10 @@ def prepare_job(opts: CompressOptions) -> Job:
         src_dir = resolve_model(opts.model, quiet=opts.quiet)
         cfg = load_config(src_dir)
         check_config(cfg)
-        layers = linear_layers(cfg)
     except ModelError as e:
         raise CompressError(str(e)) from None
-    layout, plan, layers = resolve_layout(cfg, layers, opts.scheme, opts.plan, opts.lm_head, opts.fuse, opts.sign_seed)
+    layout, plan, layers = resolve_layout(cfg, opts.scheme, opts.plan, opts.lm_head, opts.fuse, opts.sign_seed,
+                                          opts.targets, opts.ignore)
     device = resolve_device(opts.device)
     src = SourceCheckpoint(src_dir)
     missing = [f"{l.name}.weight" for l in layers if f"{l.name}.weight" not in src.files

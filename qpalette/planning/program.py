@@ -31,14 +31,16 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from qpalette.errors import InfeasibleBudget, InputError, PlanError, UnsupportedShape
+from qpalette.errors import InfeasibleBudget, InputError, ModelError, PlanError, UnsupportedShape
 from qpalette.models.topology import (
     FUSED_GROUPS,
     GROUPS,
     SINGLE_GROUPS,
     UNQUANTIZED_BYTES_PER_PARAM,
     LayerShape,
+    group_members,
     sign_vector_bytes,
+    units,
 )
 from qpalette.planning.budget import Budget
 from qpalette.planning.inputs import LatencyProfile
@@ -101,14 +103,12 @@ def codebook_nbytes(name: str) -> int:
 
 def check_latency_profile(profile: LatencyProfile, layers: list[LayerShape]) -> None:
     """Profile shapes must equal the model's (row-concatenated) group shapes in every block."""
-    by_block: dict[int, dict[str, LayerShape]] = {}
-    for l in layers:
-        by_block.setdefault(l.block, {})[l.kind] = l
     for g, (pout, pin) in profile.shapes.items():
-        for b, kinds in by_block.items():
-            members = [kinds.get(k) for k in GROUPS[g]]
-            if any(m is None for m in members):
+        for b, kinds in ((b, kinds) for b, parents in _units(layers).items() for kinds in parents.values()):
+            member_kinds = group_members(g, kinds)
+            if member_kinds is None:
                 continue
+            members = [layers[kinds[k]] for k in member_kinds]
             ins = {m.in_features for m in members}
             shape = (sum(m.out_features for m in members), ins.pop())
             if shape != (pout, pin):
@@ -142,8 +142,8 @@ def build_problem(
     groups, notes = _offered_groups(layers, latency, use_latency, fuse)
     cb_bytes = {c: codebook_nbytes(c) for q in quantizers for c in q.codebooks}
     maker = _OptionMaker(layers, a, quantizers, err, cb_bytes, latency, use_latency, active, prune, losses)
-    options = [o for b, kinds in sorted(_layers_by_block(layers).items()) for g in groups
-               for o in maker.options(b, g, kinds)]
+    options = [o for b, parents in sorted(_units(layers).items()) for g in groups
+               for kinds in parents.values() for o in maker.options(b, g, kinds)]
     _check_covered(layers, options, use_latency)
     sign = sign_vector_bytes(layers)
     unq = None if unquantized_params is None else unquantized_params * UNQUANTIZED_BYTES_PER_PARAM
@@ -170,30 +170,28 @@ def _offered_groups(layers, latency: LatencyProfile | None, use_latency: bool, f
     """(groups options are made for, notes): single layers; the fused groups the profile times
     when there is a latency budget and fusion is on. Every single group of the model must be timed."""
     notes: list[str] = []
+    kinds_present = list(dict.fromkeys(l.kind for l in layers))
     if use_latency:
-        kinds_present = {l.kind for l in layers}
-        absent = [g for g in SINGLE_GROUPS if g not in latency.groups and g in kinds_present]
+        absent = [g for g in kinds_present if g not in latency.groups]
         if absent:
             raise InputError(
                 f"latency profile {latency.path} has no latencies for group(s) {', '.join(absent)}"
             )
-    groups = list(SINGLE_GROUPS)
+    groups = list(dict.fromkeys(SINGLE_GROUPS + tuple(kinds_present)))
     if use_latency and fuse:
-        groups += [g for g in FUSED_GROUPS if g in latency.groups]
+        groups += [g for g in FUSED_GROUPS if g in latency.groups and g not in groups]
         lacking = [g for g in FUSED_GROUPS if g not in latency.groups]
         if lacking:
             notes.append(f"the latency profile has no fused group(s) {', '.join(lacking)}")
     return groups, notes
 
 
-def _layers_by_block(layers: list[LayerShape]) -> dict[int, dict[str, int]]:
-    """block → kind → layer index (one layer of each kind per block)."""
-    by_block: dict[int, dict[str, int]] = {}
-    for i, l in enumerate(layers):
-        if l.kind in by_block.setdefault(l.block, {}):
-            raise PlanError(f"two layers of kind {l.kind} in block {l.block}")
-        by_block[l.block][l.kind] = i
-    return by_block
+def _units(layers: list[LayerShape]) -> dict[int, dict[str, dict[str, int]]]:
+    """block → parent module → kind → layer index (topology.units; one layer of each kind per parent)."""
+    try:
+        return units(layers)
+    except ModelError as e:
+        raise PlanError(str(e)) from None
 
 
 @dataclass
@@ -220,9 +218,10 @@ class _OptionMaker:
         self._quarter = {q.name: _quarter_bits(q) for q in self.quantizers}
 
     def options(self, block: int, g: str, kinds: dict[str, int]) -> list[Option]:
-        if any(k not in kinds for k in GROUPS[g]):
+        member_kinds = group_members(g, kinds)
+        if member_kinds is None:
             return []
-        idx = tuple(kinds[k] for k in GROUPS[g])
+        idx = tuple(kinds[k] for k in member_kinds)
         members = [self.layers[i] for i in idx]
         if len({m.in_features for m in members}) != 1:
             return []  # not one concatenated matmul
@@ -535,57 +534,65 @@ _PARTITIONS = {
 }
 
 
-def choose_groups(problem: Problem, assignment: dict[int, str], fuse: bool) -> list[tuple[int, str, str]]:
-    """(block, group, quantizer) for a per-layer assignment: fastest valid partition per block
-    by the latency profile if there is one, else the largest same-quantizer groups."""
-    by_block: dict[int, dict[str, int]] = {}
-    for i, l in enumerate(problem.layers):
-        by_block.setdefault(l.block, {})[l.kind] = i
+def choose_groups(problem: Problem, assignment: dict[int, str], fuse: bool
+                  ) -> list[tuple[int, str, str, tuple[int, ...]]]:
+    """(block, group, quantizer, layer indices) for a per-layer assignment: fastest valid partition
+    per parent module by the latency profile if there is one, else the largest same-quantizer groups."""
     out = []
-    prof = problem.latency
-    for b in sorted(by_block):
-        kinds = by_block[b]
-        for k in ("o", "down", "head"):
-            if k in kinds:
-                out.append((b, k, assignment[kinds[k]]))
-        for part in ("attn", "mlp"):
-            best, best_key = None, None
-            for partition in _PARTITIONS[part]:
-                groups = []
-                ok = True
-                for g in partition:
-                    members = GROUPS[g]
-                    present = [m for m in members if m in kinds]
-                    if not present:
-                        continue
-                    if len(present) != len(members):
-                        ok = False
-                        break
-                    qs = {assignment[kinds[m]] for m in members}
-                    if len(qs) != 1 or (len(members) > 1 and not fuse):
-                        ok = False
-                        break
-                    if len(members) > 1 and len({problem.layers[kinds[m]].in_features for m in members}) != 1:
-                        ok = False
-                        break
-                    groups.append((g, qs.pop()))
-                if not ok:
-                    continue
-                if prof is not None:
-                    lats = [prof.groups.get(g, {}).get(q) for g, q in groups]
-                    if any(t is None for t in lats):
-                        continue
-                    key = (math.fsum(lats), len(groups))
-                else:
-                    key = (len(groups),)
-                if best_key is None or key < best_key:
-                    best, best_key = groups, key
-            if best is None:  # profile lacks a latency: fall back to single layers
-                best = [(k, assignment[kinds[k]]) for k in ("q", "k", "v", "gate", "up")
-                        if k in kinds and (k in ("q", "k", "v")) == (part == "attn")]
-            out += [(b, g, q) for g, q in best]
+    for b, parents in sorted(_units(problem.layers).items()):
+        for u, kinds in enumerate(parents.values()):
+            out += [(u, t) for t in _unit_groups(problem, b, kinds, assignment, fuse)]
     order = {g: i for i, g in enumerate(("q", "qk", "qv", "qkv", "k", "kv", "v", "o", "gate", "gateup", "up", "down", "head"))}
-    return sorted(out, key=lambda t: (t[0], order[t[1]]))
+    return [t for _, t in sorted(out, key=lambda ut: (ut[1][0], ut[0], order.get(ut[1][1], len(order))))]
+
+
+def _unit_groups(problem: Problem, b: int, kinds: dict[str, int], assignment: dict[int, str], fuse: bool
+                 ) -> list[tuple[int, str, str, tuple[int, ...]]]:
+    """choose_groups for the layers of one parent module (kind → layer index)."""
+    fusable = {k for part in _PARTITIONS.values() for p in part for g in p for k in GROUPS[g]}
+    out = [(b, k, assignment[i], (i,)) for k, i in kinds.items() if k not in fusable]
+    prof = problem.latency
+    for part in ("attn", "mlp"):
+        best, best_key = None, None
+        for partition in _PARTITIONS[part]:
+            groups = _partition_groups(problem, partition, kinds, assignment, fuse)
+            if groups is None:
+                continue
+            if prof is not None:
+                lats = [prof.groups.get(g, {}).get(q) for g, q in groups]
+                if any(t is None for t in lats):
+                    continue
+                key = (math.fsum(lats), len(groups))
+            else:
+                key = (len(groups),)
+            if best_key is None or key < best_key:
+                best, best_key = groups, key
+        if best is None:  # profile lacks a latency: fall back to single layers
+            best = [(k, assignment[kinds[k]]) for k in ("q", "k", "v", "gate", "up")
+                    if k in kinds and (k in ("q", "k", "v")) == (part == "attn")]
+        out += [(b, g, q, tuple(kinds[k] for k in GROUPS[g])) for g, q in best]
+    return out
+
+
+def _partition_groups(problem: Problem, partition, kinds: dict[str, int], assignment: dict[int, str],
+                      fuse: bool) -> list[tuple[str, str]] | None:
+    """(group, quantizer) of each group of `partition` present among `kinds`; None when the
+    partition does not fit (a group partly present, mixed quantizers, fusion off, unequal inputs)."""
+    groups = []
+    for g in partition:
+        members = GROUPS[g]
+        present = [m for m in members if m in kinds]
+        if not present:
+            continue
+        if len(present) != len(members):
+            return None
+        qs = {assignment[kinds[m]] for m in members}
+        if len(qs) != 1 or (len(members) > 1 and not fuse):
+            return None
+        if len(members) > 1 and len({problem.layers[kinds[m]].in_features for m in members}) != 1:
+            return None
+        groups.append((g, qs.pop()))
+    return groups
 
 
 # -- the ideal-quantizer bound (docs/method.md §5 theorem) ------------------------------------------------

@@ -14,20 +14,22 @@ the module tree follows from it and the architecture:
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from qpalette.errors import CheckpointError
+from qpalette.models.experts import unfuse_experts
 from qpalette.models.topology import (
     GROUP_MODULES,
     HEAD,
     INPUT_GROUP_ORDER,
     group_key,
     group_module,
-    parse_layer_name,
-    rotation_module,
+    kind_of,
+    rotation_modules,
 )
 from qpalette.quant.incoherence import unpack_signs, unrotate_weight
 from qpalette.quant.palette import get_quantizer
@@ -52,8 +54,13 @@ def parent_and_attr(name: str) -> tuple[str, str]:
 
 
 def sign_seed(base: int, block: int, input_group: str) -> int:
-    """Seed of one block's sign vector for one input group (documented in docs/format.md)."""
-    return base * 1_000_003 + 8 * block + INPUT_GROUP_ORDER.index(input_group)
+    """Seed of one block's sign vector for one input group (docs/format.md): the Llama groups by
+    their place in INPUT_GROUP_ORDER; any other group (an expert's, a pre-fused layer's) by a hash
+    of its name."""
+    if input_group in INPUT_GROUP_ORDER:
+        return base * 1_000_003 + 8 * block + INPUT_GROUP_ORDER.index(input_group)
+    digest = hashlib.sha256(f"{base}:{block}:{input_group}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") % (2**62)
 
 
 @dataclass
@@ -68,7 +75,7 @@ class Layout:
         self.layers = {n: get_quantizer(q).name for n, q in self.layers.items()}
         grouped: set[str] = set()
         for gname, members in self.groups.items():
-            kinds = [parse_layer_name(m)[1] for m in members]
+            kinds = [kind_of(m) for m in members]
             if len(members) < 2 or group_key(kinds) not in GROUP_MODULES:
                 raise CheckpointError(f"fused group {gname}: {members} is not a fusable group")
             expect = group_module(members[0], kinds)
@@ -83,9 +90,6 @@ class Layout:
     @property
     def codebooks(self) -> list[str]:
         return sorted({c for q in self.layers.values() for c in get_quantizer(q).codebooks})
-
-    def rotation_of(self, layer: str) -> str:
-        return rotation_module(layer)
 
     def group_of(self, layer: str) -> str | None:
         return next((g for g, ms in self.groups.items() if layer in ms), None)
@@ -124,9 +128,11 @@ def _get(model: nn.Module, name: str) -> nn.Module:
 
 
 def convert_model(model: nn.Module, layout: Layout, dtype: torch.dtype | None = None) -> nn.Module:
-    """Replace every planned nn.Linear by qpalette modules (in place; works on the meta device).
+    """Replace every planned nn.Linear by qpalette modules (in place; works on the meta device),
+    MoE experts split per expert first (models/experts.py).
 
     `dtype` is the dtype of biases (the model's dtype)."""
+    unfuse_experts(model)
     linears: dict[str, nn.Linear] = {}
     for name in layout.layers:
         mod = _get(model, name)
@@ -136,9 +142,10 @@ def convert_model(model: nn.Module, layout: Layout, dtype: torch.dtype | None = 
     dtype = dtype or next(iter(linears.values())).weight.dtype
     rotations: dict[str, InputRotation] = {}
     parents: set[str] = set()
+    rotation_of = rotation_modules(model.config.to_dict())
 
     def rotation_for(layer: str) -> InputRotation:
-        rname = layout.rotation_of(layer)
+        rname = rotation_of[layer]
         if rname not in rotations:
             rotations[rname] = InputRotation(linears[layer].in_features, cached=layer != HEAD)
             parent, attr = parent_and_attr(rname)
@@ -205,7 +212,8 @@ def dequantize_model(model: nn.Module, layout: Layout, dtype: torch.dtype) -> nn
                 lin.bias.copy_(b)
         parent, attr = parent_and_attr(name)
         _get(model, parent).register_module(attr, lin)
-    for name in set(layout.groups) | {layout.rotation_of(n) for n in layout.layers}:
+    rotation_of = rotation_modules(model.config.to_dict())
+    for name in set(layout.groups) | {rotation_of[n] for n in layout.layers}:
         parent, attr = parent_and_attr(name)
         delattr(_get(model, parent), attr)
     for m in model.modules():

@@ -91,14 +91,21 @@ class QpaletteHfQuantizer(HfQuantizer):
         return True
 
 
-def register() -> None:
-    """Add qpalette to transformers' registries; a second call (or re-import) is a no-op."""
+def register(model_type: str | None = None) -> None:
+    """Add qpalette to transformers' registries; a second call (or re-import) is a no-op. The
+    checkpoint types of the supported families are registered, and `qpalette_<model_type>` of
+    another architecture transformers knows when it is named."""
     if QUANT_METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:
         register_quantization_config(QUANT_METHOD)(QpaletteConfig)
     if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
         register_quantizer(QUANT_METHOD)(QpaletteHfQuantizer)
     for base in SUPPORTED_MODEL_TYPES:
         _register_checkpoint_type(base)
+    if model_type and model_type.startswith(CHECKPOINT_TYPE_PREFIX):
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        if model_type.removeprefix(CHECKPOINT_TYPE_PREFIX) in CONFIG_MAPPING:
+            _register_checkpoint_type(model_type.removeprefix(CHECKPOINT_TYPE_PREFIX))
 
 
 def _register_checkpoint_type(base: str) -> None:

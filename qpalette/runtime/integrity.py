@@ -158,9 +158,10 @@ def expected_tensors(cfg: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]
 
     layout = Layout.from_config(cfg.get("quantization_config") or {})
     try:
-        shapes = {l.name: (l.out_features, l.in_features) for l in linear_layers(cfg, lm_head=True)}
+        layers = {l.name: l for l in linear_layers(cfg, lm_head=True, targets=[".*"], ignore=[])}
     except ModelError as e:
         raise CheckpointError(f"config.json: {e}") from None
+    shapes = {n: (l.out_features, l.in_features) for n, l in layers.items()}
     unknown = sorted(set(layout.layers) - set(shapes))
     if unknown:
         raise CheckpointError(f"quantization_config names layers the model does not have: {unknown[:3]}")
@@ -170,7 +171,7 @@ def expected_tensors(cfg: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]
         rows, cols = sum(shapes[m][0] for m in members), shapes[members[0]][1]
         for t, (shape, dtype) in get_quantizer(layout.layers[members[0]]).tensor_specs(rows, cols).items():
             out[f"{module}.{t}"] = (tuple(shape), dtype)
-        out[f"{layout.rotation_of(members[0])}.signs"] = ((cols // 8,), torch.uint8)
+        out[f"{layers[members[0]].rotation}.signs"] = ((cols // 8,), torch.uint8)
     for cb in layout.codebooks:
         out[f"{CODEBOOKS_MODULE}.{buffer_name(cb)}"] = (tuple(codebook(cb).shape), torch.float16)
     return out

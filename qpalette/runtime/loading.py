@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from qpalette.errors import CheckpointError, ModelError
+from qpalette.models.experts import unfuse_experts
 from qpalette.progress import quiet_library_bars
 from qpalette.runtime.checkpoint import QUANT_METHOD
 from qpalette.runtime.integrity import verify_checkpoint_files
@@ -27,7 +28,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
 
     from qpalette.runtime.hf_quantizer import register
 
-    register()
+    register(_model_type(path))
     quiet_library_bars()
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
@@ -39,7 +40,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
         raise
     except Exception as e:  # noqa: BLE001 — transformers raises many kinds for an unusable folder
         raise ModelError(f"cannot load a causal LM from {path}: {str(e).splitlines()[0][:200]}") from None
-    model = model.to(device).eval()
+    model = unfuse_experts(model).to(device).eval()  # MoE experts as one layer each (a no-op if quantized)
     if is_quantized(model) and device.type == "cuda":
         with torch.no_grad():
             model(torch.zeros(1, 1, dtype=torch.long, device=device))
@@ -61,6 +62,15 @@ def _is_qpalette_folder(path) -> bool:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
         return False
     return isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD
+
+
+def _model_type(path) -> str | None:
+    """The model_type of a local folder's config.json, if it can be read."""
+    try:
+        mt = json.loads((Path(path) / "config.json").read_text()).get("model_type")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return None
+    return mt if isinstance(mt, str) else None
 
 
 def is_quantized(model) -> bool:

@@ -224,10 +224,10 @@ def test_cli_errors_are_messages(tiny_llama_dir, tmp_path):
     cases.append((["compress", str(odd), "--scheme", "nuq-4", "-o", str(tmp_path / "b")], "unsupported layer shapes"))
     cases.append((["compress", str(tiny_llama_dir), "--scheme", "nuq-4", "-o", str(tmp_path / "d"),
                    "--device", "gpu"], "bad --device"))
-    moe = tmp_path / "moe"
-    moe.mkdir()
-    (moe / "config.json").write_text(json.dumps({"model_type": "mixtral", "num_local_experts": 8}))
-    cases.append((["compress", str(moe), "--scheme", "nuq-4", "-o", str(tmp_path / "c")], "not supported"))
+    other = tmp_path / "gpt2"  # blocks not laid out as model.layers
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1, "n_embd": 64, "n_head": 4}))
+    cases.append((["compress", str(other), "--scheme", "nuq-4", "-o", str(tmp_path / "c")], "unsupported model"))
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("keep me")
     cases.append((["compress", str(tiny_llama_dir), "--scheme", "nuq-4", "-o", str(tmp_path / "full")],

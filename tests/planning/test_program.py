@@ -173,7 +173,7 @@ def test_fusion_is_used_when_it_pays_and_groups_share_a_quantizer():
 
 def test_unsupported_shapes_are_excluded():
     # in_features 48 is not a multiple of 32: half-TCQ cannot hold those layers
-    layers = tiny_layers(hidden_size=48, num_attention_heads=3, head_dim=16)
+    layers = tiny_layers(hidden_size=48, num_attention_heads=3, num_key_value_heads=1, head_dim=16)
     qs = quantizers(["half-tcq-3.25", "tcq-3"])
     problem = build_problem(layers, [1.0] * len(layers), qs, ERR, unquantized_params=0)
     for o in problem.options:
