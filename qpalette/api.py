@@ -247,10 +247,11 @@ def bench(model: str, *, json_out: str | Path | None = None, log: Log = _quiet, 
 
 def profile(model: str, batch_sizes: list[int] | None = None, output: str | Path = ".", *,
             entries: list[str] | None = None, dtype: str = "float16", constant: bool = True,
-            name: str | None = None, log: Log = _quiet) -> list[Path]:
-    """Measure this GPU's latency profile(s) for `plan` (one file per batch size); their paths."""
+            name: str | None = None, resume: bool = False, log: Log = _quiet) -> list[Path]:
+    """Measure this GPU's latency profile(s) for `plan` (one file per batch size); their paths.
+    `resume` continues a killed run from what it saved."""
     from qpalette.measure.profile import run_profile
     from qpalette.quant.palette import get_quantizer
 
     entries = [get_quantizer(e).name for e in entries] if entries else None
-    return run_profile(model, batch_sizes, output, entries, dtype, constant, name, say=log)
+    return run_profile(model, batch_sizes, output, entries, dtype, constant, name, resume=resume, say=log)

@@ -517,6 +517,8 @@ def profile(
     constant: bool = typer.Option(True, "--constant/--no-constant",
                                   help="Also measure the per-token overhead outside the linear layers."),
     name: Optional[str] = typer.Option(None, help="Model name recorded in the profile."),
+    resume: bool = typer.Option(False, "--resume", help="Continue a killed run (what it measured is kept)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines."),
 ) -> None:
     """Measure this GPU's kernel latency for every fusion group shape × palette entry × batch size
     the model needs (plus the constant per-token overhead) into profiles `qpalette plan` reads."""
@@ -524,7 +526,8 @@ def profile(
         fail("--dtype must be float16 or bfloat16")
     entries = palette.split(",") if palette else None
     paths = api.profile(model, _int_list(batch_sizes, "--batch-sizes"), output, entries=entries, dtype=dtype,
-                        constant=constant, name=name, log=lambda m: typer.echo(m, err=True))
+                        constant=constant, name=name, resume=resume,
+                        log=(lambda m: None) if quiet else (lambda m: typer.echo(m, err=True)))
     for p in paths:
         typer.echo(f"wrote {p}")
 
