@@ -151,6 +151,7 @@ def calibrate(
     layers: Optional[str] = typer.Option(None, help="Only layers whose name matches this regex."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run of OUTPUT."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help=JSON_HELP),
 ) -> None:
     """Per-layer sensitivity a_l, the coefficients of Loss(Q(W)) − Loss(W) ≈ Σ a_l·err_l that `plan`
     minimises: each layer's weight is perturbed by noise of growing size and the loss increase is
@@ -168,10 +169,11 @@ def calibrate(
     doc = api.calibrate(model, output, config, devices=device, resume=resume, progress=not quiet,
                         log=lambda m: typer.echo(m, err=True))
     t = doc["timing"]
-    typer.echo(
+    _say(json_out)(
         f"{doc['n_layers']} layers, {doc['tokens']} tokens ({doc['protocol']}), median R² "
         f"{doc['median_r2']:.4f}, {t['total_s']:.1f} s on {','.join(t['devices'])} → {output}"
     )
+    _write_json(json_out, doc)
 
 
 @app.command()
@@ -195,6 +197,7 @@ def hessians(
     device: str = typer.Option("auto", help="auto (GPU if present), cpu, cuda, cuda:1."),
     resume: bool = typer.Option(False, "--resume", help="Finish an interrupted run into the same folder."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help=JSON_HELP),
 ) -> None:
     """Input second moments H = XᵀX/n of every quantized layer on calibration text, one block at a
     time, for `compress --hessians` (data-aware rounding: LDLQ feeds each column's rounding
@@ -204,8 +207,9 @@ def hessians(
         seq_len=seq_len, batch_size=batch_size, device=device, resume=resume, progress=not quiet,
         log=lambda m: typer.echo(m, err=True),
     )
-    typer.echo(f"{len(doc['files'])} files, {doc['tokens']} tokens of {doc['source']}, {doc['seconds']:.1f} s on "
-               f"{doc['device']} → {output}")
+    _say(json_out)(f"{len(doc['files'])} files, {doc['tokens']} tokens of {doc['source']}, {doc['seconds']:.1f} s "
+                   f"on {doc['device']} → {output}")
+    _write_json(json_out, doc)
 
 
 @app.command("loss-table")
@@ -237,6 +241,7 @@ def loss_table(
     layers: Optional[str] = typer.Option(None, help="Only layers whose name matches this regex."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run, or extend OUTPUT."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help=JSON_HELP),
 ) -> None:
     """Measured loss terms for `plan --loss-table`: the increase of the
     cross-entropy on calibration text with each layer alone quantized by each palette entry."""
@@ -247,9 +252,10 @@ def loss_table(
         layers=layers, resume=resume, progress=not quiet, log=lambda m: typer.echo(m, err=True),
     )
     cells = sum(len(r) for r in doc["rows"].values())
-    typer.echo(f"{cells} cells ({len(doc['rows'])} layers × {len(doc['entries'])} entries), {doc['tokens']} "
-               f"tokens of {doc['source']}, baseline loss {doc['base_loss']:.4f}, "
-               f"{doc['timing']['seconds']:.1f} s on {doc['timing']['device']} → {output}")
+    _say(json_out)(f"{cells} cells ({len(doc['rows'])} layers × {len(doc['entries'])} entries), {doc['tokens']} "
+                   f"tokens of {doc['source']}, baseline loss {doc['base_loss']:.4f}, "
+                   f"{doc['timing']['seconds']:.1f} s on {doc['timing']['device']} → {output}")
+    _write_json(json_out, doc)
 
 
 @app.command()
@@ -288,6 +294,7 @@ def plan(
     no_plot: bool = typer.Option(False, "--no-plot"),
     show: Optional[Path] = typer.Option(None, "--show", help="Print a saved plan and exit."),
     blocks_only: bool = typer.Option(False, "--blocks", help="With --show: per-block table only."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help=JSON_HELP),
 ) -> None:
     """Choose a quantizer per linear layer under a memory and/or speed budget (SCIP).
 
@@ -301,8 +308,11 @@ def plan(
 
       qpalette plan --show plan.json
     """
+    say = _say(json_out)
     if show is not None:
-        typer.echo(api.describe_plan(api.load_plan(show), blocks_only=blocks_only))
+        shown = api.load_plan(show)
+        say(api.describe_plan(shown, blocks_only=blocks_only))
+        _write_json(json_out, shown.to_dict())
         return
     if not budget:
         fail("give --budget (e.g. 3.25bits, 2.4GB, 200tok/s), or --show PLAN.json")
@@ -311,8 +321,9 @@ def plan(
                         time_limit_s=time_limit, lm_head=lm_head)
     p = api.plan(model, config=config, sensitivity=sensitivity, loss_table=loss_table,
                  latency_profile=latency_profile, distortion=distortion, output=output, plot=png)
-    typer.echo(api.describe_plan(p, layers=False))
-    typer.echo(f"wrote {output}" + (f" and {png}" if png else ""))
+    say(api.describe_plan(p, layers=False))
+    say(f"wrote {output}" + (f" and {png}" if png else ""))
+    _write_json(json_out, p.to_dict())
 
 
 @app.command()
@@ -519,6 +530,7 @@ def profile(
     name: Optional[str] = typer.Option(None, help="Model name recorded in the profile."),
     resume: bool = typer.Option(False, "--resume", help="Continue a killed run (what it measured is kept)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help=JSON_HELP),
 ) -> None:
     """Measure this GPU's kernel latency for every fusion group shape × palette entry × batch size
     the model needs (plus the constant per-token overhead) into profiles `qpalette plan` reads."""
@@ -529,7 +541,8 @@ def profile(
                         constant=constant, name=name, resume=resume,
                         log=(lambda m: None) if quiet else (lambda m: typer.echo(m, err=True)))
     for p in paths:
-        typer.echo(f"wrote {p}")
+        _say(json_out)(f"wrote {p}")
+    _write_json(json_out, [str(p) for p in paths])
 
 
 def _int_list(text: str, option: str) -> list[int]:

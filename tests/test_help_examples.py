@@ -51,3 +51,8 @@ def test_the_cheap_examples_run_as_written(tmp_path, monkeypatch):
         res = runner.invoke(app, shlex.split(line)[1:])
         assert res.exit_code == 0, f"{line}\n{res.output}"
     assert (tmp_path / "plan.json").is_file()
+
+
+def test_the_root_help_documents_exit_codes():
+    out = CliRunner().invoke(app, ["--help"], terminal_width=200).output
+    assert "Exit codes: 0 done; 2 a user error" in out and "1 a bug" in out
