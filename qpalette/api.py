@@ -15,6 +15,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from qpalette.config import CalibrateConfig, CompressConfig, PlanConfig
+from qpalette.errors import InputError
+
 if TYPE_CHECKING:
     import torch
 
@@ -28,10 +31,10 @@ def _quiet(_msg: str) -> None:
 def palette(families: tuple[str, ...] | None = None, *, measure: bool = False, rows: int = 1024,
             cols: int = 1024, device: str = "cpu", seed: int = 0, write: str | Path | None = None,
             log: Log = _quiet) -> list:
-    """The palette's distortion rows (docs/method.md §3): the shipped table, or measured now on a
-    fresh rows×cols Gaussian matrix (`measure`, optionally written to `write`)."""
+    """The palette's distortion rows (each entry's normalised MSE on Gaussian data against the
+    2^(-2b) bound): the shipped table, or measured now on a fresh rows×cols Gaussian matrix
+    (`measure`, optionally written to `write`)."""
     from qpalette.devices import resolve_device
-    from qpalette.errors import InputError
     from qpalette.quant.distortion import DistortionTable, measure_table
     from qpalette.quant.palette import FAMILIES, palette_entries
 
@@ -49,22 +52,28 @@ def palette(families: tuple[str, ...] | None = None, *, measure: bool = False, r
     return list(table.rows.values())
 
 
-def calibrate(model: str, output: str | Path = "sens.json", *, devices: str = "auto", log: Log = _quiet,
-              **options) -> dict:
-    """Per-layer sensitivities a_l (docs/method.md §4), written to `output` and returned.
+def calibrate(model: str, output: str | Path = "sens.json", config: CalibrateConfig | None = None, *,
+              devices: str = "auto", resume: bool = False, progress: bool = True, log: Log = _quiet,
+              targets: list[str] | None = None, ignore: list[str] | None = None, **fields) -> dict:
+    """Per-layer sensitivities a_l (the coefficients of Loss(Q(W)) − Loss(W) ≈ Σ a_l·err_l),
+    written to `output` and returned; the file records `config` under "config".
 
-    `options` are the fields of `qpalette.calibration.sensitivity.CalibrateOptions` (num_seqs, seq_len, levels,
-    t_max, directions, seed, batch_size, dtype, dataset, text_file, layers, resume, progress)."""
+    `config`: a `CalibrateConfig` (default: its defaults); `fields`, its field names as keywords
+    (num_seqs=64, ...), override it. `devices`: auto, cpu, cuda, cuda:0,cuda:1 (one worker each);
+    `resume`: continue an interrupted run of `output`; `targets`/`ignore`: regular expressions
+    choosing the layers (default: every linear layer of the decoder blocks less MoE routers)."""
     from qpalette.calibration.sensitivity import CalibrateOptions, parse_devices
     from qpalette.calibration.sensitivity import calibrate as run
 
-    opts = CalibrateOptions(model=model, output=Path(output), devices=parse_devices(devices), **options)
+    cfg = (config or CalibrateConfig()).updated(**fields)
+    opts = CalibrateOptions(model=model, output=Path(output), devices=parse_devices(devices), resume=resume,
+                            progress=progress, targets=targets, ignore=ignore, **cfg.values())
     return run(opts, log=log)
 
 
 def hessians(model: str, output: str | Path, *, log: Log = _quiet, **options) -> dict:
     """H = XᵀX/n of every quantized layer's input on calibration text, written to the folder
-    `output` for `compress(..., hessians=output)` (data-aware LDLQ, docs/method.md §7); returns the
+    `output` for `compress(..., hessians=output)` (data-aware LDLQ rounding); returns the
     manifest. `options` are the fields of `qpalette.calibration.hessians.HessianOptions` (text_file
     or dataset, tokens, seq_len, batch_size, device, resume, progress)."""
     from qpalette.calibration.hessians import HessianOptions, collect_hessians
@@ -73,7 +82,7 @@ def hessians(model: str, output: str | Path, *, log: Log = _quiet, **options) ->
 
 
 def loss_table(model: str, output: str | Path, *, log: Log = _quiet, **options) -> dict:
-    """The measured loss terms of docs/method.md §8 (each layer alone quantized by each entry, the
+    """The measured loss terms for `plan` (each layer alone quantized by each entry, the
     increase of cross-entropy on calibration text), written to `output` for
     `plan(..., loss_table=output)`; returns the table. `options` are the fields of
     `qpalette.calibration.loss_table.LossTableOptions` (text_file or dataset, entries, hessians,
@@ -83,29 +92,39 @@ def loss_table(model: str, output: str | Path, *, log: Log = _quiet, **options) 
     return build_loss_table(LossTableOptions(model=model, output=Path(output), **options), log=log)
 
 
-def plan(model: str | None, budget: str | list[str], *, sensitivity: str | Path | None = None,
-         output: str | Path | None = None, plot: str | Path | None = None, **options):
-    """The plan (docs/method.md §5) minimising predicted loss under `budget` ("3.25bits", "2.4GB",
-    "200tok/s"; a list or comma list combines them); written to `output` (and a bits-per-layer PNG to
-    `plot`) when given. `options`: loss_table (a `loss_table` file whose measured losses replace
-    a_l·err(q); `sensitivity` is then optional), latency_profile, distortion, palette, fuse,
-    batch_size, time_limit_s, lm_head ("auto", "quantize", "keep"), targets/ignore (regular
-    expressions choosing the layers; default: every linear layer of the decoder blocks less MoE
-    routers)."""
+def plan(model: str | None, budget: str | list[str] | None = None, *, config: PlanConfig | None = None,
+         sensitivity: str | Path | None = None, loss_table: str | Path | None = None,
+         latency_profile: str | Path | None = None, distortion: str | Path | None = None,
+         output: str | Path | None = None, plot: str | Path | None = None, targets: list[str] | None = None,
+         ignore: list[str] | None = None, **fields):
+    """The plan minimising the predicted loss under `budget` ("3.25bits", "2.4GB", "200tok/s";
+    a list or comma list combines them: all must hold); written to `output` (and a bits-per-layer
+    PNG to `plot`) when given; the plan records its `PlanConfig` under "config".
+
+    `config`: a `PlanConfig`; `budget` and `fields` (palette, fuse, batch_size, time_limit_s,
+    lm_head) override it. Inputs: `sensitivity` (calibrate's file), `loss_table` (a `loss_table`
+    file whose measured losses replace a_l·err(q); `sensitivity` is then optional),
+    `latency_profile` (for tok/s and ms budgets), `distortion` (default: the shipped table).
+    `targets`/`ignore`: regular expressions choosing the layers (default: every linear layer of
+    the decoder blocks less MoE routers)."""
     from qpalette.planning.document import plot_plan, write_plan
     from qpalette.planning.planner import plan as make
 
-    budgets = [budget] if isinstance(budget, str) else list(budget)
-    for key in ("latency_profile", "distortion", "loss_table"):
-        if options.get(key) is not None:
-            options[key] = str(options[key])
-    result = make(model, budgets, sensitivity=None if sensitivity is None else str(sensitivity), **options)
+    if budget is not None:
+        fields["budget"] = [budget] if isinstance(budget, str) else list(budget)
+    cfg = (config or PlanConfig()).updated(**fields)
+    if not cfg.budget:
+        raise InputError("give a budget (e.g. 3.25bits, 2.4GB, 200tok/s)")
+    inputs = {"sensitivity": sensitivity, "loss_table": loss_table, "latency_profile": latency_profile,
+              "distortion": distortion}
+    result = make(model, cfg.budget, **{k: None if v is None else str(v) for k, v in inputs.items()},
+                  palette=cfg.palette, fuse=cfg.fuse, batch_size=cfg.batch_size, time_limit_s=cfg.time_limit_s,
+                  lm_head=cfg.lm_head, targets=targets, ignore=ignore)
     if output is not None:
         write_plan(result, output)
     if plot is not None:
         plot_plan(result, plot)
     return result
-
 
 def load_plan(path: str | Path):
     """A plan file written by `plan`."""
@@ -126,36 +145,50 @@ def describe_plan(plan, blocks_only: bool = False, layers: bool = True) -> str:
     return "\n".join(parts)
 
 
-def compress(model: str, plan_or_scheme: str | Path, out_dir: str | Path, *, log: Log = _quiet,
-             **options) -> dict:
-    """Rotate and quantize `model` into a qpalette checkpoint in `out_dir`; returns the report.
+def compress(model: str, plan_or_scheme: str | Path, out_dir: str | Path, config: CompressConfig | None = None, *,
+             device: str = "auto", hessians: str | Path | None = None, resume: bool = False,
+             overwrite: bool = False, quiet: bool = False, random_codes: bool = False, log: Log = _quiet,
+             targets: list[str] | None = None, ignore: list[str] | None = None, **fields) -> dict:
+    """Rotate and quantize `model` into a qpalette checkpoint in `out_dir`; returns the report
+    (also `out_dir`/qpalette-compress.json, which records the `CompressConfig` under "config").
 
     `plan_or_scheme`: a plan file from `plan`, or one palette entry for every layer ("tcq-3.0").
-    `options` are the fields of `qpalette.compression.writer.CompressOptions` (fuse, device, resume,
-    overwrite, sign_seed, quiet, random_codes, lm_head, hessians: a folder from `hessians` for
-    data-aware LDLQ rounding, damp, targets/ignore: regular expressions choosing the layers, by
-    default every linear layer of the decoder blocks less MoE routers, or those the plan chose)."""
+    `config`: a `CompressConfig`; `fields` (fuse, sign_seed, lm_head, damp) override it.
+    `hessians`: a folder from `hessians`, for data-aware LDLQ rounding. `resume` continues a
+    killed run; `overwrite` replaces an existing `out_dir`; `random_codes` (speed tests only)
+    stores random code words instead of quantizing. `targets`/`ignore`: regular expressions
+    choosing the layers (default: every linear layer of the decoder blocks less MoE routers, or
+    those the plan chose)."""
     from qpalette.compression.layout import plan_or_scheme as parse
     from qpalette.compression.writer import CompressOptions
     from qpalette.compression.writer import compress as run
 
     scheme, plan_file = parse(plan_or_scheme)
-    opts = CompressOptions(model=model, output=Path(out_dir), plan=plan_file, scheme=scheme, **options)
+    cfg = (config or CompressConfig()).updated(**fields, scheme=scheme)
+    opts = CompressOptions(model=model, output=Path(out_dir), plan=plan_file, device=device, resume=resume,
+                           overwrite=overwrite, quiet=quiet, random_codes=random_codes,
+                           hessians=None if hessians is None else Path(hessians), targets=targets, ignore=ignore,
+                           **cfg.values())
     return run(opts, log=log)
 
 
-def quantize(model, plan_or_scheme: str | Path, *, lm_head: bool = False, fuse: bool = True, sign_seed: int = 0,
-             device: str = "auto", targets: list[str] | None = None, ignore: list[str] | None = None):
+def quantize(model, plan_or_scheme: str | Path, config: CompressConfig | None = None, *,
+             hessians: str | Path | None = None, device: str = "auto", targets: list[str] | None = None,
+             ignore: list[str] | None = None, **fields):
     """Quantize an already loaded transformers model in place (returned): the same modules and the
-    same numbers as `compress` then loading the checkpoint, without writing files. `plan_or_scheme`:
-    a plan file from `plan`, or one palette entry for every layer ("tcq-3.0"); `device`: where to
-    quantize; `targets`/`ignore`: regular expressions choosing the layers (default: every linear
-    layer of the decoder blocks, MoE routers ignored). To keep the result, use `compress` (it writes
-    the checkpoint)."""
-    from qpalette.compression.in_memory import quantize_model
+    same numbers as `compress` then loading the checkpoint, without writing files.
 
-    return quantize_model(model, plan_or_scheme, lm_head=lm_head, fuse=fuse, sign_seed=sign_seed, device=device,
-                          targets=targets, ignore=ignore)
+    `plan_or_scheme`: a plan file from `plan`, or one palette entry for every layer ("tcq-3.0");
+    `config`: a `CompressConfig`, `fields` (fuse, sign_seed, lm_head, damp) override it;
+    `hessians`: a folder from `hessians` (data-aware LDLQ rounding, as `compress`); `device`:
+    where to quantize; `targets`/`ignore`: regular expressions choosing the layers (default: every
+    linear layer of the decoder blocks, MoE routers ignored). To keep the result, use `compress`."""
+    from qpalette.compression.in_memory import quantize_model
+    from qpalette.compression.layout import plan_or_scheme as parse
+
+    scheme, plan_file = parse(plan_or_scheme)
+    cfg = (config or CompressConfig()).updated(**fields, scheme=scheme)
+    return quantize_model(model, plan_file, cfg, hessians=hessians, device=device, targets=targets, ignore=ignore)
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
@@ -222,10 +255,11 @@ def bench(model: str, *, json_out: str | Path | None = None, log: Log = _quiet, 
 
 def profile(model: str, batch_sizes: list[int] | None = None, output: str | Path = ".", *,
             entries: list[str] | None = None, dtype: str = "float16", constant: bool = True,
-            name: str | None = None, log: Log = _quiet) -> list[Path]:
-    """Measure this GPU's latency profile(s) for `plan` (one file per batch size); their paths."""
+            name: str | None = None, resume: bool = False, log: Log = _quiet) -> list[Path]:
+    """Measure this GPU's latency profile(s) for `plan` (one file per batch size); their paths.
+    `resume` continues a killed run from what it saved."""
     from qpalette.measure.profile import run_profile
     from qpalette.quant.palette import get_quantizer
 
     entries = [get_quantizer(e).name for e in entries] if entries else None
-    return run_profile(model, batch_sizes, output, entries, dtype, constant, name, say=log)
+    return run_profile(model, batch_sizes, output, entries, dtype, constant, name, resume=resume, say=log)

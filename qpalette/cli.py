@@ -12,6 +12,7 @@ import typer
 from typer.core import TyperGroup
 
 from qpalette import api
+from qpalette.config import CalibrateConfig, CompressConfig, PlanConfig
 from qpalette.errors import InputError, QpaletteError
 
 
@@ -36,6 +37,9 @@ app = typer.Typer(
     cls=_Commands,
     help="Mixed-scheme weight quantization for Hugging Face causal LMs: calibrate, plan, "
     "compress, run.",
+    epilog="Exit codes: 0 done; 2 a user error (bad input, a damaged file, no GPU for a GPU command: one "
+    "line, no traceback); 130 interrupted (rerun with --resume where the command has it); 1 a bug "
+    "(with its traceback). Progress: a bar on a terminal, a line every 10% in a log file, none with --quiet.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -101,7 +105,14 @@ def palette(
     seed: int = typer.Option(0, help="Seed of the test matrix (with --measure)."),
     write: Optional[Path] = typer.Option(None, help="Write the measured table to this JSON file."),
 ) -> None:
-    """List the quantizer palette with its distortion on Gaussian data vs the 2^(-2b) bound."""
+    """List the quantizer palette with its distortion on Gaussian data vs the 2^(-2b) bound.
+
+    Examples:
+
+      qpalette palette
+
+      qpalette palette --family tcq --json -
+    """
     rows_out = api.palette(tuple(f.lower() for f in family) if family else None, measure=measure, rows=rows,
                            cols=cols, device=device, seed=seed, write=write,
                            log=lambda m: typer.echo(m, err=True))
@@ -155,20 +166,29 @@ def calibrate(
     ),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run of OUTPUT."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help=JSON_HELP),
 ) -> None:
-    """Per-layer sensitivity a_l (linearity theorem, docs/method.md §4): noise injection + loss fit."""
-    doc = api.calibrate(
-        model, output, devices=device, num_seqs=num_seqs, seq_len=seq_len, levels=levels, t_max=t_max,
-        seed=seed, batch_size=batch_size, dtype=dtype, dataset=dataset,
-        text_file=str(text_file) if text_file else None, layers=layers, resume=resume, progress=not quiet,
-        directions=directions, loss=loss, targets=targets or None, ignore=_patterns(ignore),
-        log=lambda m: typer.echo(m, err=True),
-    )
+    """Per-layer sensitivity a_l, the coefficients of Loss(Q(W)) − Loss(W) ≈ Σ a_l·err_l that `plan`
+    minimises: each layer's weight is perturbed by noise of growing size and the loss increase is
+    fitted against it.
+
+    Examples:
+
+      qpalette calibrate smollm2-135m -o sens.json
+
+      qpalette calibrate MODEL_DIR --text-file calib.txt -o sens.json --device cuda --resume
+    """
+    config = CalibrateConfig(num_seqs=num_seqs, seq_len=seq_len, levels=levels, t_max=t_max, directions=directions,
+                             loss=loss, seed=seed, dataset=dataset, text_file=str(text_file) if text_file else None,
+                             layers=layers, batch_size=batch_size, dtype=dtype)
+    doc = api.calibrate(model, output, config, devices=device, resume=resume, progress=not quiet,
+                        targets=targets or None, ignore=_patterns(ignore), log=lambda m: typer.echo(m, err=True))
     t = doc["timing"]
-    typer.echo(
+    _say(json_out)(
         f"{doc['n_layers']} layers, {doc['tokens']} tokens ({doc['protocol']}), median R² "
         f"{doc['median_r2']:.4f}, {t['total_s']:.1f} s on {','.join(t['devices'])} → {output}"
     )
+    _write_json(json_out, doc)
 
 
 @app.command()
@@ -192,16 +212,19 @@ def hessians(
     device: str = typer.Option("auto", help="auto (GPU if present), cpu, cuda, cuda:1."),
     resume: bool = typer.Option(False, "--resume", help="Finish an interrupted run into the same folder."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help=JSON_HELP),
 ) -> None:
     """Input second moments H = XᵀX/n of every quantized layer on calibration text, one block at a
-    time, for `compress --hessians` (data-aware LDLQ rounding, docs/method.md §7)."""
+    time, for `compress --hessians` (data-aware rounding: LDLQ feeds each column's rounding
+    error forward, lowering the layer's output error on that text)."""
     doc = api.hessians(
         model, output, text_file=str(text_file) if text_file else None, dataset=dataset, tokens=tokens,
         seq_len=seq_len, batch_size=batch_size, device=device, resume=resume, progress=not quiet,
         log=lambda m: typer.echo(m, err=True),
     )
-    typer.echo(f"{len(doc['files'])} files, {doc['tokens']} tokens of {doc['source']}, {doc['seconds']:.1f} s on "
-               f"{doc['device']} → {output}")
+    _say(json_out)(f"{len(doc['files'])} files, {doc['tokens']} tokens of {doc['source']}, {doc['seconds']:.1f} s "
+                   f"on {doc['device']} → {output}")
+    _write_json(json_out, doc)
 
 
 @app.command("loss-table")
@@ -233,8 +256,9 @@ def loss_table(
     layers: Optional[str] = typer.Option(None, help="Only layers whose name matches this regex."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run, or extend OUTPUT."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help=JSON_HELP),
 ) -> None:
-    """Measured loss terms for `plan --loss-table` (docs/method.md §8): the increase of the
+    """Measured loss terms for `plan --loss-table`: the increase of the
     cross-entropy on calibration text with each layer alone quantized by each palette entry."""
     doc = api.loss_table(
         model, output, text_file=str(text_file) if text_file else None, dataset=dataset,
@@ -243,9 +267,10 @@ def loss_table(
         layers=layers, resume=resume, progress=not quiet, log=lambda m: typer.echo(m, err=True),
     )
     cells = sum(len(r) for r in doc["rows"].values())
-    typer.echo(f"{cells} cells ({len(doc['rows'])} layers × {len(doc['entries'])} entries), {doc['tokens']} "
-               f"tokens of {doc['source']}, baseline loss {doc['base_loss']:.4f}, "
-               f"{doc['timing']['seconds']:.1f} s on {doc['timing']['device']} → {output}")
+    _say(json_out)(f"{cells} cells ({len(doc['rows'])} layers × {len(doc['entries'])} entries), {doc['tokens']} "
+                   f"tokens of {doc['source']}, baseline loss {doc['base_loss']:.4f}, "
+                   f"{doc['timing']['seconds']:.1f} s on {doc['timing']['device']} → {output}")
+    _write_json(json_out, doc)
 
 
 @app.command()
@@ -269,7 +294,8 @@ def plan(
         None, help="Distortion table (default: the shipped measured one)."
     ),
     palette_: Optional[list[str]] = typer.Option(
-        None, "--palette", "-p", help="Families and/or entries, e.g. tcq,half-tcq or tcq-2,vq-3.5."
+        None, "--palette", "-p", help="Families (nuq, vq, tcq, half-tcq) and/or entries (`qpalette palette` "
+        "lists them), e.g. tcq,half-tcq or tcq-2,vq-3.5."
     ),
     no_fuse: bool = typer.Option(False, "--no-fuse", help="No fused qkv / gate_up groups."),
     lm_head: str = typer.Option(
@@ -292,32 +318,37 @@ def plan(
     no_plot: bool = typer.Option(False, "--no-plot"),
     show: Optional[Path] = typer.Option(None, "--show", help="Print a saved plan and exit."),
     blocks_only: bool = typer.Option(False, "--blocks", help="With --show: per-block table only."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help=JSON_HELP),
 ) -> None:
     """Choose a quantizer per linear layer under a memory and/or speed budget (SCIP).
 
-    Examples (the paper's tables, imported in profiles/reference):
+    Input paths may name the files shipped with qpalette as qpalette:profiles/NAME. Examples, on the
+    paper's Llama-3.1-8B tables shipped in qpalette:profiles/reference (a 3.25-bit plan, a plan
+    for 200 tok/s on an RTX 4090 within 5 GB, a saved plan shown again):
 
-      qpalette plan profiles/reference/llama31_8b -s profiles/reference/llama31_8b_sensitivity.json -b 3.25bits
+      qpalette plan qpalette:profiles/reference/llama31_8b -s qpalette:profiles/reference/llama31_8b_sensitivity.json -b 3.25bits
 
-      qpalette plan profiles/reference/llama31_8b -s profiles/reference/llama31_8b_sensitivity.json
-      -l profiles/reference/rtx4090_latency_llama31_8b.json -b 200tok/s -b 5GB
+      qpalette plan qpalette:profiles/reference/llama31_8b -s qpalette:profiles/reference/llama31_8b_sensitivity.json -l qpalette:profiles/reference/rtx4090_latency_llama31_8b.json -b 200tok/s -b 5GB -o fast.json
 
       qpalette plan --show plan.json
     """
+    say = _say(json_out)
     if show is not None:
-        typer.echo(api.describe_plan(api.load_plan(show), blocks_only=blocks_only))
+        shown = api.load_plan(show)
+        say(api.describe_plan(shown, blocks_only=blocks_only))
+        _write_json(json_out, shown.to_dict())
         return
     if not budget:
         fail("give --budget (e.g. 3.25bits, 2.4GB, 200tok/s), or --show PLAN.json")
     png = None if no_plot else (plot or output.with_suffix(".png"))
-    p = api.plan(
-        model, budget, sensitivity=sensitivity, output=output, plot=png, loss_table=loss_table,
-        latency_profile=latency_profile, distortion=distortion, palette=palette_,
-        fuse=not no_fuse, batch_size=batch_size, time_limit_s=time_limit, lm_head=lm_head,
-        targets=targets or None, ignore=_patterns(ignore),
-    )
-    typer.echo(api.describe_plan(p, layers=False))
-    typer.echo(f"wrote {output}" + (f" and {png}" if png else ""))
+    config = PlanConfig(budget=budget, palette=palette_, fuse=not no_fuse, batch_size=batch_size,
+                        time_limit_s=time_limit, lm_head=lm_head)
+    p = api.plan(model, config=config, sensitivity=sensitivity, loss_table=loss_table,
+                 latency_profile=latency_profile, distortion=distortion, output=output, plot=png,
+                 targets=targets or None, ignore=_patterns(ignore))
+    say(api.describe_plan(p, layers=False))
+    say(f"wrote {output}" + (f" and {png}" if png else ""))
+    _write_json(json_out, p.to_dict())
 
 
 @app.command()
@@ -362,12 +393,19 @@ def compress(
     json_out: Optional[Path] = typer.Option(None, "--json", help=JSON_HELP),
 ) -> None:
     """Rotate and quantize a model block by block into a checkpoint transformers loads
-    (after `import qpalette`)."""
+    (after `import qpalette`).
+
+    Examples:
+
+      qpalette compress smollm2-135m --plan plan.json -o smollm2-q
+
+      qpalette compress MODEL_DIR --scheme tcq-3.0 -o MODEL_DIR-tcq3 --device cuda --resume
+    """
     if (plan_file is None) == (scheme is None):
         fail("give exactly one of --plan PLAN.json or --scheme ENTRY (e.g. tcq-3.0)")
-    rep = api.compress(model, plan_file or scheme, output, fuse=fuse, device=device, resume=resume,
-                       overwrite=overwrite, sign_seed=seed, quiet=quiet, random_codes=random_codes,
-                       lm_head=lm_head, hessians=hessians, damp=damp, targets=targets or None,
+    config = CompressConfig(fuse=fuse, sign_seed=seed, lm_head=lm_head, damp=damp)
+    rep = api.compress(model, plan_file or scheme, output, config, device=device, hessians=hessians, resume=resume,
+                       overwrite=overwrite, quiet=quiet, random_codes=random_codes, targets=targets or None,
                        ignore=_patterns(ignore), log=lambda m: typer.echo(m, err=True))
     by = rep["bytes"]
     say = _say(json_out)
@@ -449,7 +487,14 @@ def generate(
 ) -> None:
     """Generate text with qpalette's decoder: static KV cache, decode steps replayed as CUDA graphs,
     the next token chosen on the GPU. Works for original and compressed models alike; one prompt
-    streams to the terminal as it is generated; timings go to stderr."""
+    streams to the terminal as it is generated; timings go to stderr.
+
+    Examples:
+
+      qpalette generate smollm2-q -p "What is the capital of France?" --chat -n 64
+
+      qpalette generate smollm2-135m -p "Once upon a time" --temperature 0.8 --top-p 0.95 --seed 1 --batch 4
+    """
     if batch < 1:
         fail("--batch must be ≥ 1")
     prompts = [p for p in prompt for _ in range(batch)]
@@ -522,6 +567,9 @@ def profile(
     constant: bool = typer.Option(True, "--constant/--no-constant",
                                   help="Also measure the per-token overhead outside the linear layers."),
     name: Optional[str] = typer.Option(None, help="Model name recorded in the profile."),
+    resume: bool = typer.Option(False, "--resume", help="Continue a killed run (what it measured is kept)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help=JSON_HELP),
 ) -> None:
     """Measure this GPU's kernel latency for every fusion group shape × palette entry × batch size
     the model needs (plus the constant per-token overhead) into profiles `qpalette plan` reads."""
@@ -529,9 +577,11 @@ def profile(
         fail("--dtype must be float16 or bfloat16")
     entries = palette.split(",") if palette else None
     paths = api.profile(model, _int_list(batch_sizes, "--batch-sizes"), output, entries=entries, dtype=dtype,
-                        constant=constant, name=name, log=lambda m: typer.echo(m, err=True))
+                        constant=constant, name=name, resume=resume,
+                        log=(lambda m: None) if quiet else (lambda m: typer.echo(m, err=True)))
     for p in paths:
-        typer.echo(f"wrote {p}")
+        _say(json_out)(f"wrote {p}")
+    _write_json(json_out, [str(p) for p in paths])
 
 
 def _int_list(text: str, option: str) -> list[int]:

@@ -167,9 +167,8 @@ def fake_profile(monkeypatch):
     monkeypatch.setattr(profile, "_require_kernels", lambda: None)
     monkeypatch.setattr(profile.torch.cuda, "get_device_name", lambda *a: "fake GPU")
     monkeypatch.setattr(profile, "measure_constant", lambda cfg, m, dtype, say: (1e-3, {}))
-    monkeypatch.setattr(profile, "measure_groups",
-                        lambda shapes, entries, bs, dtype, say: {m: {g: {e: 1e-5 for e in entries} for g in shapes}
-                                                                 for m in bs})
+    monkeypatch.setattr(profile.kernel_timing, "time_quantized",
+                        lambda name, rows, cols, bs, dtype: ({m: 1e-5 for m in bs}, None))
 
 
 def test_profile_locks_each_output_file(tiny_llama_dir, tmp_path, fake_profile):

@@ -49,3 +49,37 @@ def test_calibrate_into_a_log_file_stays_short(tiny_llama_dir, tmp_path):
     assert res.returncode == 0, text
     assert "\r" not in text and "Loading weights" not in text
     assert len(text.splitlines()) <= 30 and "calibrate: 100%" in text
+
+
+LONG_RUN = """
+import sys
+from qpalette import progress
+from qpalette.cli import app
+
+class Clock:  # 0.7 s a step: the 900 evaluations below take 10.5 minutes
+    now = 0.0
+    def monotonic(self):
+        return Clock.now
+
+real_update = progress.LogProgress.update
+def update(self, n=1):
+    Clock.now += 0.7 * n
+    real_update(self, n)
+
+progress.time, progress.LogProgress.update = Clock(), update
+app(sys.argv[1:], prog_name="qpalette")
+"""
+
+
+def test_a_ten_minute_calibrate_into_a_log_file_stays_under_100_lines(tiny_llama_dir, tmp_path):
+    """A long calibrate (900 evaluations, as many redraws as the ~840 a SmolLM2 log used to hold,
+    its clock running past 10 minutes) with stdout and stderr in one file: at most 100 lines."""
+    log = tmp_path / "calibrate.log"
+    with open(log, "w") as f:
+        res = subprocess.run([sys.executable, "-c", LONG_RUN, "calibrate", str(tiny_llama_dir), "-o",
+                              str(tmp_path / "s.json"), "--num-seqs", "4", "--seq-len", "16", "--levels", "60",
+                              "--device", "cpu"], stderr=f, stdout=f)
+    text = log.read_text()
+    assert res.returncode == 0, text
+    assert "\r" not in text and "calibrate: 100% (900/900 eval), 10:" in text
+    assert len(text.splitlines()) <= 100

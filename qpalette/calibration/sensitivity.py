@@ -35,6 +35,7 @@ from qpalette.calibration.evaluator import linear_layers
 from qpalette.calibration.noise import Settings, fit_through_origin, noise_levels, run_layers
 from qpalette.calibration.resume import PartialRun
 from qpalette.calibration.workers import run_on_devices
+from qpalette.config import CalibrateConfig
 from qpalette.devices import DTYPE_NAMES, dtype_name, resolve_devices, resolve_dtype
 from qpalette.errors import CalibrationError, ModelError
 from qpalette.fileio import atomic_write_json, output_lock
@@ -52,25 +53,15 @@ LOSS_TEXT = {
 # --------------------------------------------------------------------------- the command
 
 
-@dataclass
-class CalibrateOptions:
+@dataclass(kw_only=True)
+class CalibrateOptions(CalibrateConfig):
+    """A calibration run: its recipe (the CalibrateConfig fields) and where and how it runs."""
+
     model: str
     output: Path
-    num_seqs: int = 256
-    seq_len: int = 512
-    levels: int = 16
-    t_max: float = 1.0
-    seed: int = 0
     devices: list[str] = field(default_factory=lambda: ["cpu"])  # "cpu", "cuda:0", ...; see parse_devices
-    batch_size: int = 0
-    dtype: str = "auto"  # auto: tf32 on CUDA, float32 on the CPU
-    dataset: str | None = None
-    text_file: str | None = None
-    layers: str | None = None  # regex filter on layer names
     targets: list[str] | None = None  # regular expressions choosing the quantizable layers (models/walk.py)
     ignore: list[str] | None = None
-    directions: str = "shared"  # one noise direction per layer scaled over the levels, or fresh per level
-    loss: str = "auto"  # auto: kl data-free, ce data-aware (see LOSS_TEXT)
     resume: bool = False
     progress: bool = True
 
@@ -239,8 +230,10 @@ def measure_layers(opts: CalibrateOptions, run: PartialRun, names: list[str], se
     return time.perf_counter() - t0
 
 
-def document(run: PartialRun, names: list[str], levels: int, layers_s: float, session_s: float) -> dict:
-    """The sensitivity file: header, per-layer fits, median R², timing over every session."""
+def document(opts: CalibrateOptions, run: PartialRun, names: list[str], layers_s: float, session_s: float) -> dict:
+    """The sensitivity file: header, the recipe (`config`: the last session's; a resumed run keeps
+    the header's settings, its batch size and dtype may differ), per-layer fits, median R², timing
+    over every session."""
     prev = run.timing_prev
     layers = {n: run.layers[n] for n in names}
     timing = {
@@ -248,10 +241,10 @@ def document(run: PartialRun, names: list[str], levels: int, layers_s: float, se
         "layers_s": round(prev.get("layers_s", 0.0) + layers_s, 3),
         "total_s": round(prev.get("total_s", 0.0) + session_s, 3),
         "mean_layer_s": round(statistics.fmean(v["seconds"] for v in layers.values()), 4),
-        "evaluations": len(names) * levels,
+        "evaluations": len(names) * opts.levels,
         "resumed": bool(prev),
     }
-    return {"format": FORMAT, **run.header, "n_layers": len(names),
+    return {"format": FORMAT, **run.header, "config": CalibrateConfig.of(opts).to_dict(), "n_layers": len(names),
             "median_r2": statistics.median(v["r2"] for v in layers.values()),
             "layers": layers, "timing": timing}
 
@@ -299,7 +292,7 @@ def _calibrate(opts: CalibrateOptions, log: Callable[[str], None]) -> dict:
         model = None  # the workers load their own copies: free the first device for worker 0
     layers_s = measure_layers(opts, run, names, settings, shapes, model, model_dir)
 
-    doc = document(run, names, opts.levels, layers_s, time.perf_counter() - t_start)
+    doc = document(opts, run, names, layers_s, time.perf_counter() - t_start)
     atomic_write_json(Path(opts.output), doc)
     run.remove()
     return doc

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from qpalette.models.sources import hub_id
 from qpalette.runtime.checkpoint import Layout
 from qpalette.version import __version__
 
@@ -14,8 +15,10 @@ def model_card(layout: Layout, source: str, report: dict, model_type: str) -> st
         counts[q] = counts.get(q, 0) + 1
     mix = ", ".join(f"{q} ×{n}" for q, n in sorted(counts.items()))
     by = report["bytes"]
+    base = hub_id(source)
+    base_lines = f"base_model: {base}\nbase_model_relation: quantized\n" if base else ""
     return f"""---
-library_name: transformers
+{base_lines}library_name: transformers
 tags: [qpalette, quantized]
 ---
 # {Path(source).name} — qpalette compressed
@@ -27,7 +30,6 @@ architecture"); `import qpalette` registers the type and the quantization format
 ```python
 import qpalette  # registers the qpalette quantizer with transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from qpalette.errors import CompressError, ModelError, UnknownQuantizer, UnsupportedShape
 
 model = AutoModelForCausalLM.from_pretrained("path/to/this/folder")
 # or: model = qpalette.from_pretrained("path/to/this/folder")  (picks device and dtype)
@@ -39,7 +41,7 @@ tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")
 - Average bits (quantized layers, nominal): {report['avg_bits']:.3f}
 - Tensor bytes: {by['total']:,} (codes + row scales {by['codes_and_row_scales']:,}, sign vectors
   {by['sign_vectors']:,}, codebooks {by['codebooks']:,}, unquantized modules {by['unquantized_modules']:,})
-- Written by qpalette {__version__}; format `qpalette.checkpoint/1` (see qpalette's docs/format.md).
+- Written by qpalette {__version__}; format `qpalette.checkpoint/1`.
 {_data_aware_line(report.get("data_aware"))}
 {"- **Random code words (`--random-codes`): for speed measurements only, the outputs are noise.**" if report.get("random_codes") else ""}
 """

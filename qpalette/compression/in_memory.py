@@ -10,9 +10,10 @@ from pathlib import Path
 import torch
 
 from qpalette.compression.blocks import other_tensors, quantize_block
-from qpalette.compression.layout import plan_or_scheme as parse_plan_or_scheme
 from qpalette.compression.layout import resolve_layout
 from qpalette.compression.source import StateDictSource, half_dtype
+from qpalette.compression.writer import data_aware_record, open_hessians
+from qpalette.config import CompressConfig
 from qpalette.devices import resolve_device
 from qpalette.errors import InputError, ModelError
 from qpalette.models.experts import unfuse_experts
@@ -21,12 +22,12 @@ from qpalette.runtime.checkpoint import convert_model
 from qpalette.runtime.loading import is_quantized
 
 
-def quantize_model(model, plan_or_scheme: str | Path, *, lm_head: bool = False, fuse: bool = True,
-                   sign_seed: int = 0, device: str = "auto", targets: list[str] | None = None,
-                   ignore: list[str] | None = None):
-    """Quantize `model` (a transformers causal LM) in place and return it. `plan_or_scheme`: a
-    plan file, or one palette entry for every layer; `device`: where to quantize; `targets`/
-    `ignore`: regular expressions choosing the layers (models/walk.py)."""
+def quantize_model(model, plan_file: Path | None, config: CompressConfig, *, hessians: str | Path | None = None,
+                   device: str = "auto", targets: list[str] | None = None, ignore: list[str] | None = None):
+    """Quantize `model` (a transformers causal LM) in place and return it: with `config.scheme`
+    for every layer, or the plan in `plan_file`; LDLQ on the `hessians` folder when given;
+    `device`: where to quantize; `targets`/`ignore`: regular expressions choosing the layers
+    (models/walk.py)."""
     if is_quantized(model):
         raise InputError("this model is already quantized")
     cfg = model.config.to_dict()
@@ -34,20 +35,24 @@ def quantize_model(model, plan_or_scheme: str | Path, *, lm_head: bool = False, 
         check_config(cfg)
     except ModelError as e:
         raise InputError(str(e)) from None
-    scheme, plan_file = parse_plan_or_scheme(plan_or_scheme)
-    layout, _, layers = resolve_layout(cfg, scheme, plan_file, lm_head, fuse, sign_seed, targets, ignore)
+    layout, _, layers = resolve_layout(cfg, config.scheme, plan_file, config.lm_head, config.fuse, config.sign_seed,
+                                       targets, ignore)
     unfuse_experts(model)  # the state dict then names each expert's layers
     src, half, dev = StateDictSource(model.state_dict()), half_dtype(cfg), resolve_device(device)
+    hess = open_hessians(None if hessians is None else Path(hessians), config.damp, src, cfg, layers)
     tensors: dict[str, torch.Tensor] = {}
     for block in range(cfg["num_hidden_layers"]):
-        tensors.update(quantize_block(src, block, layers, layout, dev, half))
-    tensors.update(other_tensors(src, cfg, layout, dev, half))
+        block_h = hess.load(block) if hess is not None else None
+        tensors.update(quantize_block(src, block, layers, layout, dev, half, hessians=block_h, damp=config.damp))
+    head_h = hess.load(cfg["num_hidden_layers"]) if hess is not None and HEAD in layout.layers else None
+    tensors.update(other_tensors(src, cfg, layout, dev, half, hessians=head_h, damp=config.damp))
     where, dtype = model.device, model.dtype
     if HEAD in layout.layers:
         model.config.tie_word_embeddings = False  # the embedding stays 16-bit, lm_head gets its codes
     convert_model(model, layout, dtype)
     _load(model, tensors)
-    model.config.quantization_config = layout.to_config()
+    data_aware = data_aware_record(hess, config.damp)
+    model.config.quantization_config = layout.to_config({"data_aware": data_aware} if data_aware else None)
     return model.to(where).eval()
 
 

@@ -76,6 +76,8 @@ class StateDictSource:
     """The SourceCheckpoint interface (`files`, `get`) over a loaded model's tensors, for
     quantizing in memory with the same per-block code as compress."""
 
+    folder = "the loaded model"  # what error messages name
+
     def __init__(self, state: dict[str, torch.Tensor]):
         self.state = state
         self.files = dict.fromkeys(state)

@@ -31,15 +31,16 @@ from qpalette.compression.blocks import byte_breakdown, other_tensors, quantize_
 from qpalette.compression.card import model_card
 from qpalette.compression.layout import resolve_layout
 from qpalette.compression.source import SourceCheckpoint, half_dtype
+from qpalette.config import CompressConfig
 from qpalette.devices import resolve_device
 from qpalette.errors import CompressError, ModelError
 from qpalette.fileio import atomic_write, atomic_write_json, output_lock, read_json_object
 from qpalette.models.topology import (
-    CHECKPOINT_TYPE_PREFIX,
     HEAD,
     LayerShape,
     base_model_type,
     check_config,
+    checkpoint_model_type,
     load_config,
 )
 from qpalette.planning.document import Plan
@@ -58,22 +59,20 @@ _NOT_COPIED = {"config.json", "model.safetensors.index.json", "README.md", PROGR
 _CATEGORIES = ("codes_and_row_scales", "sign_vectors", "codebooks", "unquantized_modules", "total")
 
 
-@dataclass
-class CompressOptions:
+@dataclass(kw_only=True)
+class CompressOptions(CompressConfig):
+    """A compression run: its recipe (the CompressConfig fields: scheme, fuse, sign_seed, lm_head,
+    damp) and its inputs, output and way of running."""
+
     model: str
     output: Path
     plan: Path | None = None
-    scheme: str | None = None
-    fuse: bool = True
     device: str = "auto"
     resume: bool = False
     overwrite: bool = False
-    sign_seed: int = 0
     quiet: bool = False
     random_codes: bool = False  # speed benchmarks of random-weight models: skip the quantizer
-    lm_head: bool = False  # with a scheme: quantize lm_head too (a plan says for itself)
     hessians: Path | None = None  # a `qpalette hessians` folder: data-aware LDLQ instead of nearest rounding
-    damp: float = DEFAULT_DAMP  # LDLQ's damping, a fraction of the mean diagonal of H (with hessians)
     targets: list[str] | None = None  # regular expressions choosing the layers (models/walk.py)
     ignore: list[str] | None = None  # … and those left 16-bit; a plan's own by default
 
@@ -114,9 +113,14 @@ class Job:
 
     def data_aware(self) -> dict | None:
         """How the layers were rounded when data-aware (None: nearest rounding, data-free)."""
-        if self.hessians is None:
-            return None
-        return {"method": "ldlq", "damp": self.opts.damp, "hessians": self.hessians.provenance()}
+        return data_aware_record(self.hessians, self.opts.damp)
+
+
+def data_aware_record(hessians: HessianSet | None, damp: float) -> dict | None:
+    """The checkpoint's record of data-aware rounding (None: nearest rounding, data-free)."""
+    if hessians is None:
+        return None
+    return {"method": "ldlq", "damp": damp, "hessians": hessians.provenance()}
 
 
 def prepare_job(opts: CompressOptions) -> Job:
@@ -139,25 +143,25 @@ def prepare_job(opts: CompressOptions) -> Job:
                and not (l.name == HEAD and "model.embed_tokens.weight" in src.files)]
     if missing:
         raise CompressError(f"{src_dir}: weights missing from the checkpoint: {missing[:3]}")
-    hessians = open_hessians(opts, src, cfg, layers)
+    if opts.hessians is not None and opts.random_codes:
+        raise CompressError("--hessians and --random-codes exclude each other")
+    hessians = open_hessians(opts.hessians, opts.damp, src, cfg, layers)
     out = Path(opts.output)
     if out.exists() and any(out.iterdir()) and not opts.overwrite:
         raise CompressError(f"{out} already exists and is not empty; pass --overwrite to replace it")
     return Job(opts, src_dir, cfg, layers, layout, plan, device, src, out, hessians)
 
 
-def open_hessians(opts: CompressOptions, src: SourceCheckpoint, cfg: dict, layers: list[LayerShape]
-                  ) -> HessianSet | None:
-    """The --hessians folder, checked against the model and the layers to quantize; None without."""
-    if opts.hessians is None:
-        if opts.damp != DEFAULT_DAMP:
+def open_hessians(folder: Path | None, damp: float, src, cfg: dict, layers: list[LayerShape]) -> HessianSet | None:
+    """The --hessians folder, checked against the model (`src`: its tensors) and the layers to
+    quantize; None without."""
+    if folder is None:
+        if damp != DEFAULT_DAMP:
             raise CompressError("--damp goes with --hessians (it damps LDLQ's Hessians)")
         return None
-    if opts.random_codes:
-        raise CompressError("--hessians and --random-codes exclude each other")
-    if not opts.damp >= 0:
-        raise CompressError(f"--damp {opts.damp}: the damping must be ≥ 0 (default {DEFAULT_DAMP})")
-    hessians = HessianSet(opts.hessians)
+    if not damp >= 0:
+        raise CompressError(f"--damp {damp}: the damping must be ≥ 0 (default {DEFAULT_DAMP})")
+    hessians = HessianSet(folder)
     hessians.check(model_fingerprint(src, cfg), layers, cfg["num_hidden_layers"])
     return hessians
 
@@ -265,6 +269,7 @@ def make_report(job: Job, totals: dict[str, int], prior_s: float) -> dict:
         "resumed": prior_s > 0,
         "random_codes": opts.random_codes,
         "data_aware": job.data_aware(),
+        "config": CompressConfig.of(opts).to_dict(),
     }
     if job.plan is not None:
         predicted = job.plan.totals.get("bytes") or {}
@@ -288,7 +293,7 @@ def finish(job: Job, weight_map: dict[str, str], report: dict) -> None:
         extra["data_aware"] = report["data_aware"]
     new_cfg["quantization_config"] = job.layout.to_config(extra or None)
     new_cfg["dtype"] = str(half_dtype(job.cfg)).removeprefix("torch.")
-    new_cfg["model_type"] = CHECKPOINT_TYPE_PREFIX + base_model_type(job.cfg)  # plain transformers refuses it
+    new_cfg["model_type"] = checkpoint_model_type(base_model_type(job.cfg))  # plain transformers refuses it
     if HEAD in job.layout.layers:  # the embedding stays 16-bit: a quantized head cannot share it
         new_cfg["tie_word_embeddings"] = False
     new_cfg.pop("torch_dtype", None)

@@ -25,17 +25,20 @@ import json
 import sys
 import time
 from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from qpalette.errors import KernelError, UnsupportedShape
-from qpalette.fileio import atomic_write, output_lock
+from qpalette.errors import InputError, KernelError, UnsupportedShape
+from qpalette.fileio import atomic_write, output_lock, read_json_object
 from qpalette.measure import timing as kernel_timing
 from qpalette.models import topology as architecture
 from qpalette.models.topology import GROUPS
 from qpalette.planning.inputs import LATENCY_FORMAT
 from qpalette.quant.palette import PALETTE, get_quantizer
+
+PARTIAL_FORMAT = "qpalette.latency-partial/1"
 
 
 def load_model_config(model: str) -> tuple[dict, str]:
@@ -73,11 +76,15 @@ def _say(msg: str) -> None:
 
 
 def measure_groups(shapes: dict[str, tuple[int, int]], entries: list[str], batch_sizes: list[int],
-                   dtype: torch.dtype, say=_say) -> dict[int, dict[str, dict[str, float]]]:
-    """{batch: {group: {entry: seconds}}}; each distinct shape measured once."""
+                   dtype: torch.dtype, say=_say, run: PartialProfile | None = None) -> dict[int, dict[str, dict[str, float]]]:
+    """{batch: {group: {entry: seconds}}}; each distinct shape measured once, and saved in `run`
+    (which skips the shapes an interrupted run measured already)."""
     by_shape: dict[tuple[int, int], dict[str, dict[int, float]]] = {}
     for shape in dict.fromkeys(shapes.values()):
         rows, cols = shape
+        if run is not None and run.has_shape(shape):
+            by_shape[shape] = run.shape(shape)
+            continue
         by_shape[shape] = {}
         t0 = time.time()
         for name in entries:
@@ -88,6 +95,8 @@ def measure_groups(shapes: dict[str, tuple[int, int]], entries: list[str], batch
                 continue
             by_shape[shape][name], _ = kernel_timing.time_quantized(name, rows, cols, batch_sizes, dtype)
         say(f"  {rows}x{cols}: {len(by_shape[shape])} entries in {time.time() - t0:.1f} s")
+        if run is not None:
+            run.add_shape(shape, by_shape[shape])
     return {
         m: {g: {name: t[m] for name, t in by_shape[s].items()} for g, s in shapes.items()}
         for m in batch_sizes
@@ -183,14 +192,75 @@ def profile_document(label: str, batch: int, constant: tuple[float, dict], shape
     }
 
 
+@dataclass
+class PartialProfile:
+    """What an unfinished profile has measured (`OUT_DIR/latency_<model>_b<sizes>.partial.json`,
+    `qpalette.latency-partial/1`), saved atomically after each constant and each shape; `--resume`
+    keeps it when its header (shapes, entries, batch sizes, dtype, GPU, torch) matches."""
+
+    path: Path
+    header: dict
+    constants: dict[str, list] = field(default_factory=dict)  # batch → [constant_s, its parts]
+    shapes: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)  # "RxC" → entry → batch → s
+    seconds: float = 0.0  # spent by earlier sessions
+    started: float = field(default_factory=time.time)
+
+    @classmethod
+    def open(cls, path: Path, header: dict, resume: bool, say) -> PartialProfile:
+        if not path.exists():
+            if resume:
+                say(f"--resume: no unfinished profile at {path}; starting a new one")
+            return cls(path, header)
+        if not resume:
+            raise InputError(f"an unfinished profile exists ({path}); pass --resume to continue it, or delete it")
+        doc = read_json_object(path, "profile progress", InputError, PARTIAL_FORMAT)
+        if doc.get("header") != header:
+            raise InputError(f"--resume: {path} was measured with other settings (model shapes, entries, batch "
+                             "sizes, dtype, GPU or torch version differ); use the same ones, or delete it")
+        say(f"resuming: {len(doc['constants'])} constants and {len(doc['shapes'])} shapes already measured")
+        return cls(path, header, doc["constants"], doc["shapes"], float(doc["seconds"]))
+
+    def elapsed(self) -> float:
+        return self.seconds + time.time() - self.started
+
+    def save(self) -> None:
+        atomic_write(self.path, json.dumps({"format": PARTIAL_FORMAT, "header": self.header,
+                                            "constants": self.constants, "shapes": self.shapes,
+                                            "seconds": self.elapsed()}, indent=1) + "\n")
+
+    def constant(self, batch: int, measure) -> tuple[float, dict]:
+        """The constant of `batch`: measured before, or now (then saved)."""
+        if str(batch) not in self.constants:
+            self.constants[str(batch)] = list(measure())
+            self.save()
+        const, parts = self.constants[str(batch)]
+        return const, parts
+
+    def has_shape(self, shape: tuple[int, int]) -> bool:
+        return _key(shape) in self.shapes
+
+    def shape(self, shape: tuple[int, int]) -> dict[str, dict[int, float]]:
+        return {e: {int(m): t for m, t in by_m.items()} for e, by_m in self.shapes[_key(shape)].items()}
+
+    def add_shape(self, shape: tuple[int, int], timings: dict[str, dict[int, float]]) -> None:
+        self.shapes[_key(shape)] = {e: {str(m): t for m, t in by_m.items()} for e, by_m in timings.items()}
+        self.save()
+
+
+def _key(shape: tuple[int, int]) -> str:
+    return f"{shape[0]}x{shape[1]}"
+
+
 def run_profile(model: str, batch_sizes: list[int] | None = None, out_dir: str | Path = ".",
                 entries: list[str] | None = None, dtype: str = "float16", constant: bool = True,
-                name: str | None = None, say=_say) -> list[Path]:
+                name: str | None = None, resume: bool = False, say=_say) -> list[Path]:
     """Measure and write one `qpalette.latency/1` file per batch size; returns their paths.
 
     Each output file is locked (`output_lock`, FILE.lock beside it) before the minutes of
     measuring: a second profile writing one of the same files stops at once, while profiles of
-    other models or batch sizes may share the folder."""
+    other models or batch sizes may share the folder. What is measured is saved as it comes
+    (`PartialProfile`): `resume` continues a killed run; the progress file goes once every output
+    is written."""
     _require_kernels()
     batch_sizes = batch_sizes or [1]
     entries = entries or list(PALETTE)
@@ -200,21 +270,25 @@ def run_profile(model: str, batch_sizes: list[int] | None = None, out_dir: str |
     label = name or cfg.get("_name_or_path") or Path(str(model)).name  # a model id, not a local path
     stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(str(label)).name.lower())
     paths = {m: Path(out_dir) / f"latency_{stem}_b{m}.json" for m in batch_sizes}
+    header = {"model": str(label), "shapes": {g: list(s) for g, s in shapes.items()}, "entries": entries,
+              "batch_sizes": batch_sizes, "dtype": dtype, "constant": constant,
+              "device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda}
     with ExitStack() as locks:
         for path in sorted(set(paths.values())):  # one order: two runs cannot each hold a part
             locks.enter_context(output_lock(path, "qpalette profile"))
+        sizes = "-".join(str(m) for m in batch_sizes)
+        run = PartialProfile.open(Path(out_dir) / f"latency_{stem}_b{sizes}.partial.json", header, resume, say)
         say(f"profiling {label}: {len(shapes)} groups, {len(set(shapes.values()))} shapes, "
             f"{len(entries)} entries, batch sizes {batch_sizes} on {torch.cuda.get_device_name()}")
-        t0 = time.time()
         # the constants first: they fail fast where the kernel timings would take minutes
-        consts = {m: measure_constant(cfg, m, tdtype, say) if constant else (0.0, {}) for m in batch_sizes}
-        groups = measure_groups(shapes, entries, batch_sizes, tdtype, say)
+        consts = {m: run.constant(m, lambda m=m: measure_constant(cfg, m, tdtype, say) if constant else (0.0, {}))
+                  for m in batch_sizes}
+        groups = measure_groups(shapes, entries, batch_sizes, tdtype, say, run)
         measured = {"dtype": dtype, "torch": torch.__version__, "cuda": torch.version.cuda,
-                    "seconds": time.time() - t0, "method": "median of CUDA-graph replays, weights cycled past L2"}
-        written = []
+                    "seconds": run.elapsed(), "method": "median of CUDA-graph replays, weights cycled past L2"}
         for m in batch_sizes:
             doc = profile_document(str(label), m, consts[m], shapes, groups[m], measured)
             atomic_write(paths[m], json.dumps(doc, indent=1) + "\n")
             say(f"wrote {paths[m]}")
-            written.append(paths[m])
-    return written
+        run.path.unlink()  # killed before this: --resume writes the outputs again from the saved timings
+    return [paths[m] for m in batch_sizes]

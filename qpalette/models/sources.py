@@ -38,6 +38,7 @@ DEFAULT_MODELS = {
     ),
 }
 ALIASES = {"smollm2-135m-instruct": "smollm2-135m", "smollm2": "smollm2-135m"}
+HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}  # what each default model is a copy of
 
 
 def cache_root() -> Path:
@@ -156,3 +157,21 @@ def _hub_model(repo_id: str, say) -> Path:
             f"cannot get model '{repo_id}' from the Hugging Face hub ({kind}: {str(e).splitlines()[0][:160]}). "
             f"Pass a local model directory, a .gguf file, or the embedded default 'smollm2-135m'."
         ) from None
+
+
+def hub_id(spec: str | os.PathLike) -> str | None:
+    """The Hugging Face hub id of the model `spec` names, when it can be told: a hub id itself, a
+    default model (or its cache folder), a snapshot in the hub's cache; None for other folders."""
+    text = str(spec)
+    path = Path(text).expanduser()
+    if not path.exists():
+        name = ALIASES.get(text.lower(), text.lower())
+        if name in HUB_IDS:
+            return HUB_IDS[name]
+        looks_like_hub = text.count("/") == 1 and not text.startswith((".", "/", "~"))
+        return text if looks_like_hub and not text.endswith((".gguf", ".whl")) else None
+    for name, (_req, _gguf, folder) in DEFAULT_MODELS.items():
+        if path.name == folder:
+            return HUB_IDS[name]
+    cached = [p for p in path.resolve().parts if p.startswith("models--")]
+    return cached[-1].removeprefix("models--").replace("--", "/", 1) if cached else None

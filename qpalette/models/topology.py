@@ -178,15 +178,23 @@ def _get(cfg: dict, key: str) -> int:
     return v
 
 
-#: a compressed checkpoint's model_type is its source's with this prefix ("qpalette_llama"): plain
-#: transformers refuses a type it does not know, where it would load random weights (docs/format.md)
+#: a compressed checkpoint's model_type is its source's between these ("qpalette_llama.needs-import-qpalette"):
+#: plain transformers refuses a type it does not know, where it would load random weights, and its
+#: refusal prints the type, the one text of ours it shows: so the type says what to do (docs/format.md).
+#: Checkpoints written before the suffix ("qpalette_llama") load too.
 CHECKPOINT_TYPE_PREFIX = "qpalette_"
+CHECKPOINT_TYPE_SUFFIX = ".needs-import-qpalette"
+
+
+def checkpoint_model_type(base: str) -> str:
+    """The model_type compress writes for a source of model_type `base`."""
+    return CHECKPOINT_TYPE_PREFIX + base + CHECKPOINT_TYPE_SUFFIX
 
 
 def base_model_type(cfg: dict):
-    """The architecture's model_type: a compressed checkpoint's without its `qpalette_` prefix."""
+    """The architecture's model_type: a compressed checkpoint's without what compress adds."""
     mt = cfg.get("model_type")
-    return mt.removeprefix(CHECKPOINT_TYPE_PREFIX) if isinstance(mt, str) else mt
+    return mt.removeprefix(CHECKPOINT_TYPE_PREFIX).removesuffix(CHECKPOINT_TYPE_SUFFIX) if isinstance(mt, str) else mt
 
 
 def check_config(cfg: dict) -> None:

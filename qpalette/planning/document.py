@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
+from qpalette.config import PlanConfig
 from qpalette.errors import InputError
 from qpalette.fileio import atomic_write, read_json_object
 from qpalette.planning.budget import Budget
@@ -26,15 +27,15 @@ _HINT = "written by `qpalette plan`"
 
 # -- the document -------------------------------------------------------------------------------
 def _build(cls, d, where: str, **typed):
-    """cls(**d) for a dataclass whose fields must all be in `d` (keys beyond them are ignored);
-    `typed` overrides fields already converted by the caller."""
+    """cls(**d) for a dataclass whose fields without a default must be in `d` (keys beyond them
+    are ignored); `typed` overrides fields already converted by the caller."""
     if not isinstance(d, dict):
         raise InputError(f"{where}: expected an object, got {type(d).__name__}")
-    names = [f.name for f in fields(cls)]
-    missing = [n for n in names if n not in d]
+    required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
+    missing = [n for n in required if n not in d]
     if missing:
         raise InputError(f"{where}: missing {', '.join(repr(n) for n in missing)} ({_HINT})")
-    return cls(**{n: typed[n] if n in typed else d[n] for n in names})
+    return cls(**{f.name: typed[f.name] if f.name in typed else d[f.name] for f in fields(cls) if f.name in d})
 
 
 @dataclass
@@ -114,12 +115,15 @@ class Plan:
     blocks: list[PlanBlock]
     provenance: dict  # the inputs (paths, sha256), versions, command, wall time
     notes: list[str] = field(default_factory=list)
+    config: PlanConfig | None = None  # the recipe as given (None in plans written before it was recorded)
     format: str = PLAN_FORMAT
 
     def to_dict(self) -> dict:
+        recipe = {"config": self.config.to_dict()} if self.config else {}  # older plans have none
         return {
             "format": self.format,
             "model": self.model,
+            **recipe,
             "budgets": [b.to_dict() for b in self.budgets],
             "options": self.options,
             "totals": self.totals,
@@ -146,6 +150,7 @@ class Plan:
             budgets=[Budget.from_dict(b, f"{where}: budget {i}") for i, b in enumerate(d["budgets"])],
             layers={n: PlanLayer.from_dict(v, f"{where}: layer {n}") for n, v in d["layers"].items()},
             blocks=[PlanBlock.from_dict(b, f"{where}: block {i}") for i, b in enumerate(d["blocks"])],
+            config=PlanConfig.from_dict(d["config"], f"{where}: config") if d.get("config") is not None else None,
         )
 
     @classmethod
@@ -182,6 +187,7 @@ def make_plan(
     inputs: dict,
     options: dict,
     notes: list[str] | None = None,
+    config: PlanConfig | None = None,
 ) -> Plan:
     """The plan document of a solved problem: per-layer rows, per-block fusion groups, totals,
     the ideal-quantizer bound (docs/method.md §5) and the solver's report."""
@@ -206,6 +212,7 @@ def make_plan(
         blocks=blocks,
         provenance=inputs,
         notes=list(problem.notes) + list(notes or []) + _latency_notes(problem.latency, triples),
+        config=config,
     )
 
 

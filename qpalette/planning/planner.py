@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from qpalette.config import PlanConfig
 from qpalette.errors import InputError, ModelError
 from qpalette.fileio import sha256_file
 from qpalette.models.topology import (
@@ -235,6 +236,8 @@ def plan(
     `targets`/`ignore`: regular expressions choosing the layers (models/walk.py; recorded in the
     plan's options when given, and compress then selects the same layers)."""
     t0 = time.time()
+    model, sensitivity, loss_table, latency_profile, distortion = (
+        shipped_path(p) for p in (model, sensitivity, loss_table, latency_profile, distortion))
     budgets: list[Budget] = parse_budgets(budget_texts)
     dist = DistortionTable.load(distortion)
     table = LossTable.load(loss_table) if loss_table is not None else None
@@ -280,6 +283,8 @@ def plan(
             **select,
         },
         notes=notes,
+        config=PlanConfig(budget=list(budget_texts), palette=None if palette is None else list(palette), fuse=fuse,
+                          batch_size=batch_size, time_limit_s=time_limit_s, lm_head=lm_head),
     )
     result.provenance["wall_time_s"] = time.time() - t0
     return result
@@ -386,13 +391,16 @@ def _provenance(sens: Sensitivity, dist: DistortionTable, prof: LatencyProfile |
         "distortion": inp(dist.path, dist.sha256),
         "latency_profile": None if prof is None else inp(prof.path, prof.sha256) | {
             "model": prof.model, "device": prof.device, "batch_size": prof.batch_size},
-        "model_config": {"source": mi.info.get("source"), "sha256": mi.info.get("config_sha256")},
+        "model_config": {"source": _portable(mi.info.get("source")), "sha256": mi.info.get("config_sha256")},
         "qpalette_version": _version(),
         "python": platform.python_version(),
         "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "wall_time_s": None,
         "command": command or " ".join(sys.argv),
     }
+
+
+SHIPPED = "qpalette:profiles/"  # names a file shipped with qpalette, wherever it is installed
 
 
 def _portable(path) -> str | None:
@@ -403,7 +411,17 @@ def _portable(path) -> str | None:
         return None
     p = Path(path).resolve()
     shipped = profiles_dir().resolve()
-    return f"qpalette:profiles/{p.relative_to(shipped).as_posix()}" if p.is_relative_to(shipped) else str(path)
+    return f"{SHIPPED}{p.relative_to(shipped).as_posix()}" if p.is_relative_to(shipped) else str(path)
+
+
+def shipped_path(path: str | None) -> str | None:
+    """The file `qpalette:profiles/NAME` names (`_portable`'s inverse: the shipped profiles and
+    reference tables, inside the installed package); any other path as given."""
+    from qpalette.quant.codebooks import profiles_dir
+
+    if path is None or not str(path).startswith(SHIPPED):
+        return path
+    return str(profiles_dir() / str(path).removeprefix(SHIPPED))
 
 
 def _version() -> str:

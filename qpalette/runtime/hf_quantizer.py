@@ -9,13 +9,20 @@ checks that the checkpoint's codebooks are the ones this qpalette decodes with.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from qpalette.errors import CheckpointError
-from qpalette.models.topology import CHECKPOINT_TYPE_PREFIX, SUPPORTED_MODEL_TYPES
+from qpalette.models.topology import (
+    CHECKPOINT_TYPE_PREFIX,
+    SUPPORTED_MODEL_TYPES,
+    base_model_type,
+    checkpoint_model_type,
+)
 from qpalette.runtime.checkpoint import (
     CODEBOOKS_MODULE,
     QUANT_METHOD,
@@ -52,12 +59,22 @@ class QpaletteHfQuantizer(HfQuantizer):
     requires_calibration = True
     quantization_config: QpaletteConfig
 
-    def validate_environment(self, *args, **kwargs):
+    def validate_environment(self, *args, device_map=None, **kwargs):
         if not self.pre_quantized:
             raise ValueError(
                 "qpalette quantizes with `qpalette compress MODEL --plan/--scheme -o DIR`, not "
                 "inside from_pretrained; load the compressed DIR instead"
             )
+        self.on_cuda = _places_on_cuda(device_map)  # update_dtype, called next, needs it
+
+    def update_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """float32 on CUDA would run every layer on the slow reference path: the kernels run
+        float16 and bfloat16, so load in float16 and say so."""
+        if dtype == torch.float32 and getattr(self, "on_cuda", False):
+            warnings.warn("qpalette: float32 was asked for on CUDA, where qpalette's kernels run float16 and "
+                          "bfloat16 only; loading in float16 (pass dtype=torch.bfloat16 for bfloat16)", stacklevel=2)
+            return torch.float16
+        return dtype
 
     def _process_model_before_weight_loading(self, model, **kwargs):
         for f in kwargs.get("checkpoint_files") or []:
@@ -91,32 +108,50 @@ class QpaletteHfQuantizer(HfQuantizer):
         return True
 
 
+def _places_on_cuda(device_map) -> bool:
+    """Whether from_pretrained's `device_map` puts any module on a CUDA device ("auto" and the
+    other strategies do when a GPU is present; an int is a GPU index)."""
+    if device_map is None:
+        return False
+    values = device_map.values() if isinstance(device_map, dict) else [device_map]
+    for v in values:
+        if isinstance(v, int) and not isinstance(v, bool):
+            return True
+        text = str(v)
+        if text.startswith("cuda") or (text in ("auto", "balanced", "balanced_low_0", "sequential")
+                                       and torch.cuda.is_available()):
+            return True
+    return False
+
+
 def register(model_type: str | None = None) -> None:
     """Add qpalette to transformers' registries; a second call (or re-import) is a no-op. The
-    checkpoint types of the supported families are registered, and `qpalette_<model_type>` of
-    another architecture transformers knows when it is named."""
+    checkpoint types of the supported families are registered, and that of another architecture
+    transformers knows when its checkpoint type `model_type` is named."""
     if QUANT_METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:
         register_quantization_config(QUANT_METHOD)(QpaletteConfig)
     if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
         register_quantizer(QUANT_METHOD)(QpaletteHfQuantizer)
     for base in SUPPORTED_MODEL_TYPES:
-        _register_checkpoint_type(base)
+        _register_checkpoint_type(base, checkpoint_model_type(base))
+        _register_checkpoint_type(base, CHECKPOINT_TYPE_PREFIX + base)  # written by earlier versions
     if model_type and model_type.startswith(CHECKPOINT_TYPE_PREFIX):
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-        if model_type.removeprefix(CHECKPOINT_TYPE_PREFIX) in CONFIG_MAPPING:
-            _register_checkpoint_type(model_type.removeprefix(CHECKPOINT_TYPE_PREFIX))
+        base = base_model_type({"model_type": model_type})
+        if base in CONFIG_MAPPING:
+            _register_checkpoint_type(base, model_type)
 
 
-def _register_checkpoint_type(base: str) -> None:
-    """`qpalette_<base>` (what compress writes as model_type) → the base architecture's config and
-    causal-LM classes, subclassed only to carry that name: transformers without qpalette refuses the
-    unknown type instead of loading the checkpoint as `<base>` with random weights."""
+def _register_checkpoint_type(base: str, name: str) -> None:
+    """`name` (what compress writes as model_type, `qpalette_<base>.needs-import-qpalette`) → the
+    base architecture's config and causal-LM classes, subclassed only to carry that name:
+    transformers without qpalette refuses the unknown type, printing it, instead of loading the
+    checkpoint as `<base>` with random weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    name = CHECKPOINT_TYPE_PREFIX + base
     if name in CONFIG_MAPPING:
         return
     base_config = CONFIG_MAPPING[base]
@@ -125,3 +160,6 @@ def _register_checkpoint_type(base: str) -> None:
                      (MODEL_FOR_CAUSAL_LM_MAPPING[base_config],), {"config_class": config_cls})
     AutoConfig.register(name, config_cls)
     AutoModelForCausalLM.register(config_cls, model_cls)
+
+
+register()  # when this module is what first imports transformers, qpalette's import hook defers to here

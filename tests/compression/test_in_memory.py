@@ -26,6 +26,28 @@ def test_in_memory_equals_compress_then_load(tmp_path, scheme, lm_head, tied):
         qpalette.quantize(model, scheme)
 
 
+def test_in_memory_with_hessians_equals_compress_hessians_then_load(tmp_path):
+    """Data-aware (LDLQ) in memory: the same tensors, logits and quantization_config as
+    `compress --hessians` then load."""
+    src = make_tiny_llama(tmp_path / "src", vocab_size=272)
+    (tmp_path / "calib.txt").write_text("the weights of each layer round to codes on this text " * 40)
+    qpalette.hessians(str(src), tmp_path / "h", text_file=str(tmp_path / "calib.txt"), tokens=512, seq_len=64,
+                      device="cpu", progress=False)
+    qpalette.compress(str(src), "nuq-3", tmp_path / "q", lm_head=True, hessians=tmp_path / "h", damp=0.02,
+                      device="cpu", quiet=True)
+    loaded, _ = load_model(tmp_path / "q", "cpu")
+    model, _ = load_model(src, "cpu")
+    qpalette.quantize(model, "nuq-3", qpalette.CompressConfig(lm_head=True, damp=0.02), hessians=tmp_path / "h",
+                      device="cpu")
+    mine, theirs = model.state_dict(), loaded.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert model.config.quantization_config == loaded.config.quantization_config.to_dict()
+    plain, _ = load_model(src, "cpu")
+    qpalette.quantize(plain, "nuq-3", lm_head=True, device="cpu")
+    codes = "model.layers.0.mlp.down_proj.codes"
+    assert not torch.equal(plain.state_dict()[codes], mine[codes])  # the Hessians changed the rounding
+
+
 def test_bad_requests(tiny_llama_dir):
     model, _ = load_model(tiny_llama_dir, "cpu")
     with pytest.raises(QpaletteError, match="unknown"):

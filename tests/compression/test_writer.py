@@ -105,23 +105,28 @@ def test_generate_and_from_pretrained(tiny_llama_dir, tmp_path):
     assert out.shape[1] == enc["input_ids"].shape[1] + 8
     assert isinstance(tok.decode(out[0]), str)
     card = (tmp_path / "q" / "README.md").read_text()
-    assert "import qpalette" in card and "`qpalette_llama`" in card
+    assert "import qpalette" in card and "`qpalette_llama.needs-import-qpalette`" in card
 
 
 def test_plain_transformers_refuses_a_checkpoint(tiny_llama_dir, tmp_path):
-    """Without `import qpalette` (a fresh interpreter), from_pretrained fails naming the qpalette
-    model type instead of loading random weights; with it, the same call loads and save_pretrained
-    keeps the guard."""
+    """Without `import qpalette` (a fresh interpreter), from_pretrained fails with a message whose
+    model type says what to do, instead of loading random weights; with it, the same call loads,
+    save_pretrained keeps the guard, and checkpoints of the earlier type (`qpalette_llama`) load."""
     import subprocess
     import sys
 
     run_compress(tiny_llama_dir, tmp_path / "q", scheme="nuq-4")
     plain = "from transformers import AutoModelForCausalLM as A; A.from_pretrained({!r})"
     res = subprocess.run([sys.executable, "-c", plain.format(str(tmp_path / "q"))], capture_output=True, text=True)
-    assert res.returncode != 0 and "qpalette_llama" in res.stderr and "does not recognize" in res.stderr
+    assert res.returncode != 0 and "does not recognize" in res.stderr
+    assert "model type `qpalette_llama.needs-import-qpalette`" in res.stderr
     q = load(tmp_path / "q")
     q.save_pretrained(tmp_path / "again")
-    assert json.loads((tmp_path / "again" / "config.json").read_text())["model_type"] == "qpalette_llama"
+    config = json.loads((tmp_path / "again" / "config.json").read_text())
+    assert config["model_type"] == "qpalette_llama.needs-import-qpalette"
+    (tmp_path / "again" / "config.json").write_text(json.dumps({**config, "model_type": "qpalette_llama"}))
+    old = load(tmp_path / "again")
+    assert old.config.model_type == "qpalette_llama" and type(old).__name__ == type(q).__name__
 
 
 def test_save_pretrained_round_trip_is_bit_exact(one_block_dir, tmp_path, ids):
