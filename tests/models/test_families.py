@@ -16,7 +16,7 @@ from tiny_llama import make_tiny_llama
 import qpalette
 from qpalette.errors import CompressError
 from qpalette.models.experts import ExpertMLP, PerExpertMLP, unfuse_experts
-from qpalette.models.topology import linear_layers, load_config, unquantized_params
+from qpalette.models.topology import checkpoint_model_type, linear_layers, load_config, unquantized_params
 from qpalette.runtime.checkpoint import simulated_weights
 
 #: model_type → config overrides of make_tiny_llama's (2 blocks, hidden 64, MLP 128, 4 heads, 2 kv)
@@ -81,7 +81,7 @@ def shard_tensors(folder) -> dict[str, torch.Tensor]:
 def test_compress_load_generate_round_trip(family, ids, tmp_path):
     mt, src, out = family
     q, _ = qpalette.load_model(out)
-    assert json.loads((out / "config.json").read_text())["model_type"] == f"qpalette_{mt}"
+    assert json.loads((out / "config.json").read_text())["model_type"] == checkpoint_model_type(mt)
     with torch.no_grad():
         got, want = q(ids).logits, simulated_model(src, q)(ids).logits
     assert (got - want).norm() / want.norm() < 1e-4
