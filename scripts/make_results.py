@@ -4,7 +4,9 @@
     python3 scripts/make_results.py [--results results] [--out docs/results.md]
 
 Reads (each section is skipped, saying so, when its input is missing):
-- results/sweep_smollm2/sweep.json      scripts/sweep_smollm2.py (GPU): perplexity, KL, predicted loss
+- results/sweep_smollm2/sweep.json      the first (data-free) sweep: perplexity, KL, predicted loss
+- results/sweep_smollm2_data_aware/     scripts/sweep_smollm2.py (GPU): sweep.json (data-free, data-aware
+                                         and peer rows), collect.json (calibration costs)
 - results/calibrate_smollm2/validation_gpu.json  scripts/validate_linearity.py: random mixes
 - results/kernels_h100/bench_kernels.json        scripts/bench_kernels.py
 - results/speed_llama8b/*.json           `qpalette bench --json` of FP16 and compressed
@@ -38,7 +40,8 @@ def quality(sweep: dict, figdir: Path) -> list[str]:
     out.append(f"Perplexity over all non-overlapping 2048-token windows of `{sweep.get('text', 'WikiText-2')}`; "
                f"KL = mean KL(original ‖ compressed) on sequences sampled from the original (nats/token); "
                f"predicted = Σ a_l·err_l from the calibrated sensitivities and the distortion table (docs/method.md §4). "
-               f"Measured on {sweep.get('device', '?')} with `scripts/sweep_smollm2.py` ({rows[0].get('dtype', '?')}).")
+               f"Measured on {sweep.get('device', '?')} with `scripts/sweep_smollm2.py` as of commit 1e92b78, "
+               f"data-free only ({rows[0].get('dtype', '?')}); section (f) is the data-aware sweep.")
     out += ["", "| configuration | avg bits | perplexity | vs original | KL | predicted loss |", "|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["kind"] != "original", r.get("family", r["kind"]), r["avg_bits"])):
         rel = f"{100 * (r['ppl'] / fp['ppl'] - 1):+.1f}%" if fp else "–"
@@ -222,6 +225,137 @@ def breakdown(folder: Path, note: str = "") -> list[str]:
     return out + [""]
 
 
+DA_STYLE = {("data-free", "msq"): ("MSQ data-free", "D--", "tab:blue"),
+            ("data-free", "uniform"): ("TCQ data-free", "o", "tab:blue"),
+            ("data-aware", "msq"): ("MSQ data-aware (linear)", "D-", "tab:green"),
+            ("data-aware", "uniform"): ("TCQ data-aware", "o", "tab:green")}
+PEER_STYLE = {"bnb": ("bitsandbytes NF4", "s", "tab:red"), "hqq": ("HQQ g64", "^", "tab:purple"),
+              "rtn": ("RTN", "*", "black")}
+
+
+def data_aware(folder: Path, figdir: Path) -> list[str]:
+    """(f): the data-aware sweep, one table of every row, linear vs actual, the cost, a plot."""
+    sweep, costs = load(folder / "sweep.json"), load(folder / "collect.json") or {"steps": {}}
+    out = ["## (f) Data-aware quantization and peers: SmolLM2-135M-Instruct, one sweep", ""]
+    if not sweep or not sweep["rows"]:
+        return out + ["(no data-aware sweep results yet: `scripts/sweep_smollm2.py`)", ""]
+    rows, fp = sweep["rows"], next((r for r in sweep["rows"] if r["kind"] == "original"), None)
+    steps = costs["steps"]
+    cal = ", ".join(f"{k} {v['seconds']:.0f} s ({v.get('tokens') or '?'} tokens)" for k, v in steps.items()
+                    if v.get("seconds") is not None)
+    out.append(f"Perplexity over {rows[0]['windows']} of the {rows[0]['windows_total']} non-overlapping "
+               f"{sweep['ctx']}-token windows of `{sweep['text']}`, every row by the same function, on "
+               f"{sweep['device']} ({sweep['dtype']}). Data-aware rows: LDLQ with Hessians of the calibration "
+               f"text (WikiText-2 validation), MSQ plans from CE sensitivities ('linear') or the measured loss "
+               f"table ('actual'). Bits per weight are stored bits of the quantized block layers (codes, row "
+               f"scales, sign vectors and codebooks; peers: codes, scales, zeros, absmax and double-quant "
+               f"constants); lm_head stays 16-bit in every row. Calibration on {costs.get('device', '?')}: "
+               f"{cal or 'not recorded'}.")
+    out += ["", "| row | kind | bits/weight | perplexity | vs original | compress / quantize s | notes |",
+            "|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["kind"] != "original", r["kind"], r["bits"], r["name"])):
+        rel = f"{100 * (r['ppl'] / fp['ppl'] - 1):+.1f}%" if fp else "–"
+        secs = r.get("compress_s", r.get("quantize_s"))
+        note = r.get("notes") or (f"{r['loss_term']} loss term" if r.get("loss_term") else "")
+        out.append(f"| {r['name']} | {r['kind']} | {r['bits']:.3f} | {r['ppl']:.2f} | {rel} | "
+                   f"{'–' if secs is None else f'{secs:.1f}'} | {note} |")
+    for f in sweep.get("failed", []):
+        out.append(f"| {f['name']} | failed | – | – | – | – | {f['error'][:120]} |")
+    out += [""] + linear_vs_actual(rows) + data_aware_cost(rows, steps, sweep)
+    data_aware_plot(rows, fp, figdir)
+    return out + ["![perplexity vs bits, data-aware sweep](results/data_aware_smollm2.png)", ""]
+
+
+def linear_vs_actual(rows: list[dict]) -> list[str]:
+    """The paper's Table 9 question: the same budget planned on each loss term."""
+    ppl = {r["name"]: r for r in rows}
+    out = ["**'linear' vs 'actual' loss terms** (perplexity at the same bit budget; 'table entries' = the "
+           "loss table's palette, which the 'actual' plans are restricted to):", "",
+           "| budget | linear, whole palette | linear, table entries | actual, table entries |", "|---|---|---|---|"]
+    for b in ("2.5", "3.0"):
+        cells = [ppl.get(n) for n in (f"da-msq-{b}", f"da-msq-lint-{b}", f"da-msq-act-{b}")]
+        if any(cells):
+            out.append(f"| {b} bits | " + " | ".join("–" if c is None else f"{c['ppl']:.2f}" for c in cells) + " |")
+    return out + [""]
+
+
+def data_aware_cost(rows: list[dict], steps: dict, sweep: dict) -> list[str]:
+    """Data-aware compress time over data-free, for every scheme or budget measured both ways."""
+    by = {r["name"]: r for r in rows}
+    out = ["**Cost** (compress wall time, the same command with and without `--hessians`):", "",
+           "| scheme | data-free s | data-aware s | ratio |", "|---|---|---|---|"]
+    for r in rows:
+        twin = by.get("df-" + r["name"].removeprefix("da-")) if r["name"].startswith("da-") else None
+        if twin and "compress_s" in twin:
+            out.append(f"| {r['name'].removeprefix('da-')} | {twin['compress_s']:.1f} | {r['compress_s']:.1f} | "
+                       f"{r['compress_s'] / twin['compress_s']:.2f}× |")
+    h = steps.get("hessians", {}).get("seconds")
+    again = sweep.get("hessians_s") or []
+    out.append(f"\nHessian collection: {'not recorded' if h is None else f'{h:.1f} s'} (`qpalette hessians`, "
+               f"{steps.get('hessians', {}).get('tokens') or '?'} tokens, model load included)"
+               + (f"; collected again in the sweep process: {', '.join(f'{s:.1f} s' for s in again)}" if again else "")
+               + ".")
+    return out + [""]
+
+
+def data_aware_plot(rows: list[dict], fp: dict | None, figdir: Path) -> None:
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for (kind, method), (label, style, color) in DA_STYLE.items():
+        pts = sorted((r["bits"], r["ppl"]) for r in rows if r["kind"] == kind and r.get("method") == method
+                     and r.get("loss_term") != "actual" and "-lint-" not in r["name"])
+        if pts:
+            ax.plot(*zip(*pts), style, color=color, label=label)
+    act = sorted((r["bits"], r["ppl"]) for r in rows if r.get("loss_term") == "actual")
+    if act:
+        ax.plot(*zip(*act), "P", color="tab:orange", ms=9, label="MSQ data-aware (actual)")
+    for method, (label, mark, color) in PEER_STYLE.items():
+        pts = [(r["bits"], r["ppl"]) for r in rows if r["kind"] == "peer" and r["method"] == method]
+        if pts:
+            ax.plot(*zip(*pts), mark, color=color, ms=10, ls="none", label=label)
+    if fp:
+        ax.axhline(fp["ppl"], color="gray", ls="--", label=f"original ({fp['ppl']:.2f})")
+    ax.set(xlabel="stored bits per weight (quantized layers)", ylabel="WikiText-2 perplexity", yscale="log",
+           title="SmolLM2-135M-Instruct: data-free, data-aware and peers")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(figdir / "data_aware_smollm2.png", dpi=120)
+    plt.close(fig)
+
+
+def data_aware_targets(folder: Path) -> list[str]:
+    """Issue 16's targets against the data-aware sweep (nothing when it has not run)."""
+    sweep = load(folder / "sweep.json")
+    if not sweep or not sweep["rows"]:
+        return ["| data-aware targets (issue 16) | not measured | – |"]
+    by = {r["name"]: r for r in sweep["rows"]}
+    out = []
+    for name, limit, op in (("da-msq-3.0", 27.5, "≤"), ("da-msq-2.5", 33.7, "≤"), ("da-tcq-3.0", 35.0, "≤"),
+                            ("da-tcq-2.0", 200.0, "<")):
+        r = by.get(name)
+        if r is None:
+            out.append(f"| {name} perplexity {op} {limit:g} | not measured | – |")
+            continue
+        met = r["ppl"] <= limit if op == "≤" else r["ppl"] < limit
+        out.append(f"| {name} perplexity {op} {limit:g} | {r['ppl']:.2f} | {'yes' if met else 'no'} |")
+    r, fp = by.get("da-msq-4.0"), by.get("fp")
+    if r and fp:
+        rel = r["ppl"] / fp["ppl"] - 1
+        out.append(f"| da-msq-4.0 within 5% of the original | {100 * rel:+.1f}% | {'yes' if rel <= 0.05 else 'no'} |")
+    ours = [r for r in sweep["rows"] if r["kind"] in ("data-free", "data-aware")]
+    for p in (r for r in sweep["rows"] if r["kind"] == "peer" and r["method"] != "rtn"):
+        best = min((r for r in ours if r["bits"] <= p["bits"]), key=lambda r: r["ppl"], default=None)
+        got = "no qpalette row at ≤ its bits" if best is None else f"{best['name']} {best['ppl']:.2f} vs {p['ppl']:.2f}"
+        out.append(f"| a qpalette row beats {p['name']} ({p['bits']:.3f} bits) at ≤ its bits | {got} | "
+                   f"{'yes' if best and best['ppl'] < p['ppl'] else 'no'} |")
+    for r in sweep["rows"]:
+        twin = by.get("df-" + r["name"].removeprefix("da-")) if r["name"].startswith("da-") else None
+        if twin and "compress_s" in twin and "compress_s" in r:
+            ratio = r["compress_s"] / twin["compress_s"]
+            out.append(f"| {r['name']} compress ≤ 2× data-free | {ratio:.2f}× | {'yes' if ratio <= 2 else 'no'} |")
+    return out
+
+
 def targets(sweep: dict | None, folder: Path) -> list[str]:
     """The end-to-end targets, checked against the measured numbers (or said to be unmeasured)."""
     out = ["## Targets", "", "| target | measured | met |", "|---|---|---|"]
@@ -318,7 +452,9 @@ def main() -> None:
     lines += kernels(bench, figdir) if bench else ["## (c) Kernels", "", "(no kernel benchmark yet)", ""]
     lines += speed(res / "speed_llama8b_v2", figdir)
     lines += generation(res / "decoder_h100")
-    lines += targets(sweep, res / "speed_llama8b_v2")[:-1] + generation_targets(res / "decoder_h100") + [""]
+    lines += data_aware(res / "sweep_smollm2_data_aware", figdir)
+    lines += (targets(sweep, res / "speed_llama8b_v2")[:-1] + generation_targets(res / "decoder_h100")
+              + data_aware_targets(res / "sweep_smollm2_data_aware") + [""])
     args.out.write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out} and plots in {figdir}")
 

@@ -1,7 +1,7 @@
 """One decoder block → its stored tensors: rotate each input group, quantize every layer (a fused
 group as one row-concatenated matrix), by nearest rounding or, given the Hessian of the layer's
-input, by LDLQ (quant/ldlq.py; the block's matrices of one entry and one column count in
-lockstep); and the shard of everything outside the blocks."""
+input, by LDLQ (quant/ldlq.py; the matrices of several blocks at once, those of one entry and one
+column count in lockstep: `code_blocks`); and the shard of everything outside the blocks."""
 
 from __future__ import annotations
 
@@ -85,21 +85,17 @@ def _layer_tensors(w: torch.Tensor, quantizer: str, signs: torch.Tensor, device,
 
 def quantize_block(src: SourceCheckpoint, block: int, layers: list[LayerShape], layout: Layout,
                    device, half: torch.dtype, on_layer: Callable[[str], None] = lambda n: None,
-                   random_codes: bool = False, hessians: dict[str, torch.Tensor] | None = None,
-                   damp: float = DEFAULT_DAMP) -> dict[str, torch.Tensor]:
-    """All stored tensors of one decoder block; `hessians` (input group → H, this block's) makes
-    its layers data-aware."""
+                   random_codes: bool = False, coded: list[dict[str, torch.Tensor]] | None = None
+                   ) -> dict[str, torch.Tensor]:
+    """All stored tensors of one decoder block: its matrices by nearest rounding, or `coded`, the
+    tensors `code_blocks` made for them (data-aware)."""
     prefix = f"model.layers.{block}."
     mine = [l for l in layers if l.block == block and l.name != HEAD]
-    out: dict[str, torch.Tensor] = {}
-    signs: dict[str, torch.Tensor] = {}
-    for l in mine:
-        if l.input_group not in signs:
-            signs[l.input_group] = random_signs(l.in_features, sign_seed(layout.sign_seed, block, l.input_group))
-            out[f"{l.rotation}.signs"] = pack_signs(signs[l.input_group])
-    jobs = _block_matrices(mine, layout)
-    coded = _code_matrices(src, jobs, layout, signs, device, block if random_codes else None, on_layer, hessians,
-                           damp)
+    signs = block_signs(block, mine, layout)
+    out = {f"{l.rotation}.signs": pack_signs(signs[l.input_group]) for l in mine}
+    jobs = block_matrices(mine, layout)
+    if coded is None:
+        coded = _code_one_by_one(src, jobs, layout, signs, device, block if random_codes else None, on_layer)
     for (target, members, _l), tensors in zip(jobs, coded):
         out.update({f"{target}.{k}": v for k, v in tensors.items()})
         biases = [f"{m}.bias" for m in members if f"{m}.bias" in src.files]
@@ -113,7 +109,13 @@ def quantize_block(src: SourceCheckpoint, block: int, layers: list[LayerShape], 
     return out
 
 
-def _block_matrices(mine: list[LayerShape], layout: Layout) -> list[tuple[str, list[str], LayerShape]]:
+def block_signs(block: int, mine: list[LayerShape], layout: Layout) -> dict[str, torch.Tensor]:
+    """Input group → the seeded sign vector its layers are rotated with."""
+    return {l.input_group: random_signs(l.in_features, sign_seed(layout.sign_seed, block, l.input_group))
+            for l in mine}
+
+
+def block_matrices(mine: list[LayerShape], layout: Layout) -> list[tuple[str, list[str], LayerShape]]:
     """(stored module name, member layers, first member) of each matrix a block stores: a fused
     group as one, every other layer alone; in layer order."""
     jobs, done = [], set()
@@ -126,37 +128,50 @@ def _block_matrices(mine: list[LayerShape], layout: Layout) -> list[tuple[str, l
     return jobs
 
 
-def _code_matrices(src: SourceCheckpoint, jobs: list[tuple[str, list[str], LayerShape]], layout: Layout,
-                   signs: dict[str, torch.Tensor], device, random_block: int | None, on_layer: Callable[[str], None],
-                   hessians: dict[str, torch.Tensor] | None, damp: float) -> list[dict[str, torch.Tensor]]:
-    """The stored tensors (on CPU) of each matrix of `jobs`: one by one by nearest rounding (or,
-    with `random_block`, random codes seeded per matrix); with Hessians, the matrices of one entry
-    and one column count through LDLQ together (`ldlq_many`: the same codes, one Viterbi batch per
-    column block for all of them)."""
-    def weight(job) -> torch.Tensor:
-        return torch.cat([src.get(f"{m}.weight").float() for m in job[1]])
+def _matrix(src: SourceCheckpoint, members: list[str]) -> torch.Tensor:
+    return torch.cat([src.get(f"{m}.weight").float() for m in members])
 
-    if hessians is None:
-        out, seen = [], 0
-        for job in jobs:
-            on_layer(job[0])
-            seed = None if random_block is None else random_block * 16 + seen
-            out.append(_layer_tensors(weight(job), layout.layers[job[2].name], signs[job[2].input_group], device,
-                                      seed, None, damp))
-            seen += len(job[1])
-        return out
-    together: dict[tuple[str, int], list[int]] = {}
-    for i, (_t, _m, l) in enumerate(jobs):
-        together.setdefault((layout.layers[l.name], l.in_features), []).append(i)
-    coded: dict[int, dict[str, torch.Tensor]] = {}
-    for (entry, _cols), idx in together.items():
-        for i in idx:
-            on_layer(jobs[i][0])
-        groups = [jobs[i][2].input_group for i in idx]
-        qms = _quantize_rotated_many([weight(jobs[i]) for i in idx], entry, [signs[g].to(device) for g in groups],
-                                     device, [hessians[g] for g in groups], damp)
-        coded.update({i: {k: v.cpu() for k, v in qm.tensors.items()} for i, qm in zip(idx, qms)})
-    return [coded[i] for i in range(len(jobs))]
+
+def _code_one_by_one(src: SourceCheckpoint, jobs: list[tuple[str, list[str], LayerShape]], layout: Layout,
+                     signs: dict[str, torch.Tensor], device, random_block: int | None,
+                     on_layer: Callable[[str], None]) -> list[dict[str, torch.Tensor]]:
+    """The stored tensors of each matrix by nearest rounding (or, with `random_block`, random codes
+    seeded per matrix)."""
+    out, seen = [], 0
+    for target, members, l in jobs:
+        on_layer(target)
+        seed = None if random_block is None else random_block * 16 + seen
+        out.append(_layer_tensors(_matrix(src, members), layout.layers[l.name], signs[l.input_group], device, seed,
+                                  None, DEFAULT_DAMP))
+        seen += len(members)
+    return out
+
+
+def code_blocks(src: SourceCheckpoint, hessians: dict[int, dict[str, torch.Tensor]], layers: list[LayerShape],
+                layout: Layout, device, damp: float = DEFAULT_DAMP, on_layer: Callable[[str], None] = lambda n: None
+                ) -> dict[int, list[dict[str, torch.Tensor]]]:
+    """Block → the stored tensors (on CPU) of each of its matrices (`block_matrices` order), for
+    the blocks of `hessians` (block → input group → H): data-aware, the matrices of one entry and
+    one column count of all these blocks through LDLQ together (`ldlq_many`: each gets its own
+    codes, and a trellis entry runs one Viterbi batch per column block for all of them)."""
+    jobs = []  # (block, index in the block, stored name, members, signs, H)
+    for b, hess in hessians.items():
+        mine = [l for l in layers if l.block == b and l.name != HEAD]
+        signs = block_signs(b, mine, layout)
+        jobs += [(b, k, target, members, l, signs[l.input_group], hess[l.input_group])
+                 for k, (target, members, l) in enumerate(block_matrices(mine, layout))]
+    together: dict[tuple[str, int], list[tuple]] = {}
+    for job in jobs:
+        together.setdefault((layout.layers[job[4].name], job[4].in_features), []).append(job)
+    coded: dict[int, dict[int, dict[str, torch.Tensor]]] = {b: {} for b in hessians}
+    for (entry, _cols), group in together.items():
+        for job in group:
+            on_layer(job[2])
+        qms = _quantize_rotated_many([_matrix(src, j[3]) for j in group], entry, [j[5].to(device) for j in group],
+                                     device, [j[6] for j in group], damp)
+        for (b, k, *_rest), qm in zip(group, qms):
+            coded[b][k] = {name: t.cpu() for name, t in qm.tensors.items()}
+    return {b: [c[k] for k in range(len(c))] for b, c in coded.items()}
 
 
 def head_weight(src: SourceCheckpoint, cfg: dict) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 Per decoder block: read its tensors from the source safetensors, rotate each input group's
 layers with one seeded sign vector, quantize every layer (a fused group as one row-concatenated
-matrix; by LDLQ with the block's Hessians under `--hessians`), write the block's shard.
+matrix; by LDLQ with the block's Hessians under `--hessians`, a window of blocks coded together
+first), write the block's shard.
 Everything goes into `OUT.partial/`, each file written atomically, with a progress manifest after
 every shard; the folder is renamed to OUT only when config.json, the index, tokenizer and model
 card are all written. So a killed run leaves no folder that looks complete, and `--resume` picks
@@ -27,7 +28,7 @@ from typing import Callable
 import torch
 
 from qpalette.calibration.hessian_files import HessianSet, model_fingerprint
-from qpalette.compression.blocks import byte_breakdown, other_tensors, quantize_block
+from qpalette.compression.blocks import byte_breakdown, code_blocks, other_tensors, quantize_block
 from qpalette.compression.card import model_card
 from qpalette.compression.layout import resolve_layout
 from qpalette.compression.source import SourceCheckpoint, half_dtype
@@ -57,6 +58,9 @@ REPORT_FILE = "qpalette-compress.json"
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
 _NOT_COPIED = {"config.json", "model.safetensors.index.json", "README.md", PROGRESS_FILE}
 _CATEGORIES = ("codes_and_row_scales", "sign_vectors", "codebooks", "unquantized_modules", "total")
+WINDOW_FRACTION = 0.25  # of the free GPU memory, for the blocks whose matrices go through LDLQ together
+CPU_WINDOW_BYTES = 2 << 30
+LDLQ_BYTES_PER_WEIGHT = 20  # float32 weight, rotated copy, target, error and reconstruction
 
 
 @dataclass(kw_only=True)
@@ -92,6 +96,7 @@ class Job:
     out: Path
     hessians: HessianSet | None = None
     started: float = field(default_factory=time.time)
+    coded: dict[int, list[dict[str, torch.Tensor]]] = field(default_factory=dict)  # data-aware blocks made ahead
 
     @property
     def partial(self) -> Path:
@@ -200,16 +205,35 @@ def shard_name(i: int, n: int) -> str:
 
 
 def shard_tensors(job: Job, i: int, on_layer: Callable[[str], None]) -> dict[str, torch.Tensor]:
-    """Shard i: decoder block i, or (the last one) everything outside the blocks."""
+    """Shard i: decoder block i, or (the last one) everything outside the blocks. Data-aware
+    blocks are coded a window at a time (`code_window`) and kept until their shard is written."""
     half, last = half_dtype(job.cfg), i == job.n_shards - 1
-    hessians = None
-    if job.hessians is not None and (not last or HEAD in job.layout.layers):
-        hessians = job.hessians.load(i)  # block i's, or lm_head's for the last shard
     if not last:
+        if job.hessians is not None and i not in job.coded:
+            job.coded.update(code_window(job, i, on_layer))
         return quantize_block(job.src, i, job.layers, job.layout, job.device, half, on_layer,
-                              job.opts.random_codes, hessians, job.opts.damp)
+                              job.opts.random_codes, coded=job.coded.pop(i, None))
+    hessians = job.hessians.load(i) if job.hessians is not None and HEAD in job.layout.layers else None
     return other_tensors(job.src, job.cfg, job.layout, job.device, half, job.opts.random_codes, hessians,
                          job.opts.damp)
+
+
+def code_window(job: Job, first: int, on_layer: Callable[[str], None]) -> dict[int, list[dict[str, torch.Tensor]]]:
+    """The coded matrices of blocks first.. (as many as WINDOW_FRACTION of the free memory holds
+    in LDLQ's float32 working copies, at least one), through LDLQ together (`code_blocks`)."""
+    if job.device.type == "cuda":
+        budget = int(torch.cuda.mem_get_info(job.device)[0] * WINDOW_FRACTION)
+    else:
+        budget = CPU_WINDOW_BYTES
+    blocks, size = [], 0
+    for b in range(first, job.cfg["num_hidden_layers"]):
+        need = LDLQ_BYTES_PER_WEIGHT * sum(l.numel for l in job.layers if l.block == b and l.name != HEAD)
+        if blocks and size + need > budget:
+            break
+        blocks.append(b)
+        size += need
+    return code_blocks(job.src, {b: job.hessians.load(b) for b in blocks}, job.layers, job.layout, job.device,
+                       job.opts.damp, on_layer)
 
 
 def write_shards(job: Job, done: dict[str, dict], prior_s: float) -> tuple[dict[str, str], dict[str, int]]:

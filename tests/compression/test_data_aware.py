@@ -105,6 +105,23 @@ def test_stored_codes_are_each_matrixs_own_ldlq(model_and_hessians, tmp_path):
             assert torch.equal(stored[f"{pre}{module}.{k}"], v), (module, k)
 
 
+def test_window_of_blocks_changes_no_byte(model_and_hessians, tmp_path, monkeypatch):
+    """Both blocks coded together (the default window) or one at a time: identical shards."""
+    from qpalette.compression import writer
+
+    src, hessians = model_and_hessians
+    real, windows = writer.code_blocks, []
+    monkeypatch.setattr(writer, "code_blocks", lambda s, h, *a: windows.append(sorted(h)) or real(s, h, *a))
+    run_compress(src, tmp_path / "together", scheme="tcq-2.0", hessians=hessians)
+    monkeypatch.setattr(writer, "CPU_WINDOW_BYTES", 1)
+    run_compress(src, tmp_path / "apart", scheme="tcq-2.0", hessians=hessians)
+    assert windows == [[0, 1], [0], [1]]
+    shards = sorted(p.name for p in (tmp_path / "together").glob("*.safetensors"))
+    assert len(shards) == 3
+    for s in shards:
+        assert (tmp_path / "together" / s).read_bytes() == (tmp_path / "apart" / s).read_bytes()
+
+
 def test_resume_with_hessians_gives_identical_shards(model_and_hessians, tmp_path, monkeypatch):
     src, hessians = model_and_hessians
     run_compress(src, tmp_path / "whole", scheme="vq-2.0", hessians=hessians)

@@ -23,3 +23,44 @@ def test_make_results_regenerates_report_from_results(tmp_path):
     targets = text[text.index("## Targets"):]
     assert targets.count("| speed plan ") == len(list((ROOT / "results/speed_llama8b_v2").glob("plan_speed*.json")))
     assert "host time of one graph call" in text
+
+
+def _row(name, kind, bits, ppl, **kw):
+    return {"name": name, "kind": kind, "bits": bits, "ppl": ppl, "windows": 147, "windows_total": 147, **kw}
+
+
+def test_data_aware_section_and_targets(tmp_path):
+    """The data-aware sweep's table, comparison, cost and target lines come from its rows; without
+    the sweep the section says so."""
+    script = [sys.executable, str(ROOT / "scripts" / "make_results.py"), "--results", str(tmp_path / "results"),
+              "--out", str(tmp_path / "results.md")]
+    (tmp_path / "results").mkdir()
+    subprocess.run(script, check=True, capture_output=True)
+    text = (tmp_path / "results.md").read_text()
+    assert "(no data-aware sweep results yet" in text and "| data-aware targets (issue 16) | not measured | – |" in text
+    folder = tmp_path / "results" / "sweep_smollm2_data_aware"
+    folder.mkdir()
+    rows = [_row("fp", "original", 16.0, 22.0, method="fp16"),
+            _row("da-msq-3.0", "data-aware", 3.03, 27.0, method="msq", loss_term="linear", compress_s=90.0),
+            _row("da-msq-act-3.0", "data-aware", 3.03, 26.5, method="msq", loss_term="actual", compress_s=95.0),
+            _row("da-tcq-3.0", "data-aware", 3.03, 36.0, method="uniform", compress_s=120.0),
+            _row("df-tcq-3.0", "data-free", 3.03, 63.4, method="uniform", compress_s=50.0),
+            _row("hqq-3-g64", "peer", 3.7, 40.0, method="hqq", quantize_s=3.0, notes="hqq"),
+            _row("bnb-nf4", "peer", 4.5, 25.0, method="bnb", quantize_s=2.0, notes="nf4")]
+    (folder / "sweep.json").write_text(json.dumps({"format": "qpalette.sweep/2", "text": "file:test.txt", "ctx": 2048,
+                                                   "device": "NVIDIA H100", "dtype": "float16", "rows": rows,
+                                                   "failed": [{"name": "hqq-4-g64", "error": "ImportError: x"}]}))
+    (folder / "collect.json").write_text(json.dumps({"device": "NVIDIA H100", "steps": {
+        "hessians": {"seconds": 12.5, "tokens": 262144}}}))
+    subprocess.run(script, check=True, capture_output=True)
+    text = (tmp_path / "results.md").read_text()
+    assert (tmp_path / "results" / "data_aware_smollm2.png").stat().st_size > 1000
+    assert "| da-msq-act-3.0 | data-aware | 3.030 | 26.50 | +20.5% | 95.0 | actual loss term |" in text
+    assert "| hqq-4-g64 | failed |" in text
+    assert "| 3.0 bits | 27.00 | – | 26.50 |" in text
+    assert "| tcq-3.0 | 50.0 | 120.0 | 2.40× |" in text and "Hessian collection: 12.5 s" in text
+    assert "| da-msq-3.0 perplexity ≤ 27.5 | 27.00 | yes |" in text
+    assert "| da-tcq-3.0 perplexity ≤ 35 | 36.00 | no |" in text
+    assert "| da-msq-2.5 perplexity ≤ 33.7 | not measured | – |" in text
+    assert "| a qpalette row beats hqq-3-g64 (3.700 bits) at ≤ its bits | da-msq-act-3.0 26.50 vs 40.00 | yes |" in text
+    assert "| da-tcq-3.0 compress ≤ 2× data-free | 2.40× | no |" in text
