@@ -54,20 +54,19 @@ def palette(families: tuple[str, ...] | None = None, *, measure: bool = False, r
 
 def calibrate(model: str, output: str | Path = "sens.json", config: CalibrateConfig | None = None, *,
               devices: str = "auto", resume: bool = False, progress: bool = True, log: Log = _quiet,
-              targets: list[str] | None = None, ignore: list[str] | None = None, **fields) -> dict:
+              **fields) -> dict:
     """Per-layer sensitivities a_l (the coefficients of Loss(Q(W)) − Loss(W) ≈ Σ a_l·err_l),
     written to `output` and returned; the file records `config` under "config".
 
     `config`: a `CalibrateConfig` (default: its defaults); `fields`, its field names as keywords
-    (num_seqs=64, ...), override it. `devices`: auto, cpu, cuda, cuda:0,cuda:1 (one worker each);
-    `resume`: continue an interrupted run of `output`; `targets`/`ignore`: regular expressions
-    choosing the layers (default: every linear layer of the decoder blocks less MoE routers)."""
+    (num_seqs=64, targets=[...], ...), override it. `devices`: auto, cpu, cuda, cuda:0,cuda:1 (one
+    worker each); `resume`: continue an interrupted run of `output`."""
     from qpalette.calibration.sensitivity import CalibrateOptions, parse_devices
     from qpalette.calibration.sensitivity import calibrate as run
 
     cfg = (config or CalibrateConfig()).updated(**fields)
     opts = CalibrateOptions(model=model, output=Path(output), devices=parse_devices(devices), resume=resume,
-                            progress=progress, targets=targets, ignore=ignore, **cfg.values())
+                            progress=progress, **cfg.values())
     return run(opts, log=log)
 
 
@@ -95,18 +94,16 @@ def loss_table(model: str, output: str | Path, *, log: Log = _quiet, **options) 
 def plan(model: str | None, budget: str | list[str] | None = None, *, config: PlanConfig | None = None,
          sensitivity: str | Path | None = None, loss_table: str | Path | None = None,
          latency_profile: str | Path | None = None, distortion: str | Path | None = None,
-         output: str | Path | None = None, plot: str | Path | None = None, targets: list[str] | None = None,
-         ignore: list[str] | None = None, **fields):
+         output: str | Path | None = None, plot: str | Path | None = None, **fields):
     """The plan minimising the predicted loss under `budget` ("3.25bits", "2.4GB", "200tok/s";
     a list or comma list combines them: all must hold); written to `output` (and a bits-per-layer
     PNG to `plot`) when given; the plan records its `PlanConfig` under "config".
 
     `config`: a `PlanConfig`; `budget` and `fields` (palette, fuse, batch_size, time_limit_s,
-    lm_head) override it. Inputs: `sensitivity` (calibrate's file), `loss_table` (a `loss_table`
-    file whose measured losses replace a_l·err(q); `sensitivity` is then optional),
-    `latency_profile` (for tok/s and ms budgets), `distortion` (default: the shipped table).
-    `targets`/`ignore`: regular expressions choosing the layers (default: every linear layer of
-    the decoder blocks less MoE routers)."""
+    lm_head, targets/ignore: regular expressions choosing the layers) override it. Inputs:
+    `sensitivity` (calibrate's file), `loss_table` (a `loss_table` file whose measured losses
+    replace a_l·err(q); `sensitivity` is then optional), `latency_profile` (for tok/s and ms
+    budgets), `distortion` (default: the shipped table)."""
     from qpalette.planning.document import plot_plan, write_plan
     from qpalette.planning.planner import plan as make
 
@@ -119,12 +116,13 @@ def plan(model: str | None, budget: str | list[str] | None = None, *, config: Pl
               "distortion": distortion}
     result = make(model, cfg.budget, **{k: None if v is None else str(v) for k, v in inputs.items()},
                   palette=cfg.palette, fuse=cfg.fuse, batch_size=cfg.batch_size, time_limit_s=cfg.time_limit_s,
-                  lm_head=cfg.lm_head, targets=targets, ignore=ignore)
+                  lm_head=cfg.lm_head, targets=cfg.targets, ignore=cfg.ignore)
     if output is not None:
         write_plan(result, output)
     if plot is not None:
         plot_plan(result, plot)
     return result
+
 
 def load_plan(path: str | Path):
     """A plan file written by `plan`."""
@@ -148,17 +146,16 @@ def describe_plan(plan, blocks_only: bool = False, layers: bool = True) -> str:
 def compress(model: str, plan_or_scheme: str | Path, out_dir: str | Path, config: CompressConfig | None = None, *,
              device: str = "auto", hessians: str | Path | None = None, resume: bool = False,
              overwrite: bool = False, quiet: bool = False, random_codes: bool = False, log: Log = _quiet,
-             targets: list[str] | None = None, ignore: list[str] | None = None, **fields) -> dict:
+             **fields) -> dict:
     """Rotate and quantize `model` into a qpalette checkpoint in `out_dir`; returns the report
     (also `out_dir`/qpalette-compress.json, which records the `CompressConfig` under "config").
 
     `plan_or_scheme`: a plan file from `plan`, or one palette entry for every layer ("tcq-3.0").
-    `config`: a `CompressConfig`; `fields` (fuse, sign_seed, lm_head, damp) override it.
-    `hessians`: a folder from `hessians`, for data-aware LDLQ rounding. `resume` continues a
-    killed run; `overwrite` replaces an existing `out_dir`; `random_codes` (speed tests only)
-    stores random code words instead of quantizing. `targets`/`ignore`: regular expressions
-    choosing the layers (default: every linear layer of the decoder blocks less MoE routers, or
-    those the plan chose)."""
+    `config`: a `CompressConfig`; `fields` (fuse, sign_seed, lm_head, damp, targets/ignore:
+    regular expressions choosing the layers, by default a plan's, or every linear layer of the
+    decoder blocks less MoE routers) override it. `hessians`: a folder from `hessians`, for
+    data-aware LDLQ rounding. `resume` continues a killed run; `overwrite` replaces an existing
+    `out_dir`; `random_codes` (speed tests only) stores random code words instead of quantizing."""
     from qpalette.compression.layout import plan_or_scheme as parse
     from qpalette.compression.writer import CompressOptions
     from qpalette.compression.writer import compress as run
@@ -167,28 +164,25 @@ def compress(model: str, plan_or_scheme: str | Path, out_dir: str | Path, config
     cfg = (config or CompressConfig()).updated(**fields, scheme=scheme)
     opts = CompressOptions(model=model, output=Path(out_dir), plan=plan_file, device=device, resume=resume,
                            overwrite=overwrite, quiet=quiet, random_codes=random_codes,
-                           hessians=None if hessians is None else Path(hessians), targets=targets, ignore=ignore,
-                           **cfg.values())
+                           hessians=None if hessians is None else Path(hessians), **cfg.values())
     return run(opts, log=log)
 
 
 def quantize(model, plan_or_scheme: str | Path, config: CompressConfig | None = None, *,
-             hessians: str | Path | None = None, device: str = "auto", targets: list[str] | None = None,
-             ignore: list[str] | None = None, **fields):
+             hessians: str | Path | None = None, device: str = "auto", **fields):
     """Quantize an already loaded transformers model in place (returned): the same modules and the
     same numbers as `compress` then loading the checkpoint, without writing files.
 
     `plan_or_scheme`: a plan file from `plan`, or one palette entry for every layer ("tcq-3.0");
-    `config`: a `CompressConfig`, `fields` (fuse, sign_seed, lm_head, damp) override it;
-    `hessians`: a folder from `hessians` (data-aware LDLQ rounding, as `compress`); `device`:
-    where to quantize; `targets`/`ignore`: regular expressions choosing the layers (default: every
-    linear layer of the decoder blocks, MoE routers ignored). To keep the result, use `compress`."""
+    `config`: a `CompressConfig`, `fields` (fuse, sign_seed, lm_head, damp, targets/ignore) override
+    it; `hessians`: a folder from `hessians` (data-aware LDLQ rounding, as `compress`); `device`:
+    where to quantize. To keep the result, use `compress`."""
     from qpalette.compression.in_memory import quantize_model
     from qpalette.compression.layout import plan_or_scheme as parse
 
     scheme, plan_file = parse(plan_or_scheme)
     cfg = (config or CompressConfig()).updated(**fields, scheme=scheme)
-    return quantize_model(model, plan_file, cfg, hessians=hessians, device=device, targets=targets, ignore=ignore)
+    return quantize_model(model, plan_file, cfg, hessians=hessians, device=device)
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,

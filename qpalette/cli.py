@@ -180,9 +180,10 @@ def calibrate(
     """
     config = CalibrateConfig(num_seqs=num_seqs, seq_len=seq_len, levels=levels, t_max=t_max, directions=directions,
                              loss=loss, seed=seed, dataset=dataset, text_file=str(text_file) if text_file else None,
-                             layers=layers, batch_size=batch_size, dtype=dtype)
+                             layers=layers, targets=targets or None, ignore=_patterns(ignore), batch_size=batch_size,
+                             dtype=dtype)
     doc = api.calibrate(model, output, config, devices=device, resume=resume, progress=not quiet,
-                        targets=targets or None, ignore=_patterns(ignore), log=lambda m: typer.echo(m, err=True))
+                        log=lambda m: typer.echo(m, err=True))
     t = doc["timing"]
     _say(json_out)(
         f"{doc['n_layers']} layers, {doc['tokens']} tokens ({doc['protocol']}), median R² "
@@ -342,10 +343,9 @@ def plan(
         fail("give --budget (e.g. 3.25bits, 2.4GB, 200tok/s), or --show PLAN.json")
     png = None if no_plot else (plot or output.with_suffix(".png"))
     config = PlanConfig(budget=budget, palette=palette_, fuse=not no_fuse, batch_size=batch_size,
-                        time_limit_s=time_limit, lm_head=lm_head)
+                        time_limit_s=time_limit, lm_head=lm_head, targets=targets or None, ignore=_patterns(ignore))
     p = api.plan(model, config=config, sensitivity=sensitivity, loss_table=loss_table,
-                 latency_profile=latency_profile, distortion=distortion, output=output, plot=png,
-                 targets=targets or None, ignore=_patterns(ignore))
+                 latency_profile=latency_profile, distortion=distortion, output=output, plot=png)
     say(api.describe_plan(p, layers=False))
     say(f"wrote {output}" + (f" and {png}" if png else ""))
     _write_json(json_out, p.to_dict())
@@ -403,10 +403,11 @@ def compress(
     """
     if (plan_file is None) == (scheme is None):
         fail("give exactly one of --plan PLAN.json or --scheme ENTRY (e.g. tcq-3.0)")
-    config = CompressConfig(fuse=fuse, sign_seed=seed, lm_head=lm_head, damp=damp)
+    config = CompressConfig(fuse=fuse, sign_seed=seed, lm_head=lm_head, damp=damp, targets=targets or None,
+                            ignore=_patterns(ignore))
     rep = api.compress(model, plan_file or scheme, output, config, device=device, hessians=hessians, resume=resume,
-                       overwrite=overwrite, quiet=quiet, random_codes=random_codes, targets=targets or None,
-                       ignore=_patterns(ignore), log=lambda m: typer.echo(m, err=True))
+                       overwrite=overwrite, quiet=quiet, random_codes=random_codes,
+                       log=lambda m: typer.echo(m, err=True))
     by = rep["bytes"]
     say = _say(json_out)
     say(

@@ -123,6 +123,8 @@ class CalibrateConfig(Config):
     dataset: str | None = None  # data-aware: a `datasets` NAME[:CONFIG[:SPLIT]]
     text_file: str | None = None  # data-aware: a UTF-8 text file
     layers: str | None = None  # only layers whose name matches this regex
+    targets: list[str] | None = None  # regexes of the quantizable layers (None: every block's linear layer)
+    ignore: list[str] | None = None  # regexes of layers left 16-bit (None: MoE routers; []: none)
     batch_size: int = 0  # sequences per forward pass (0: automatic); does not change the result
     dtype: str = "auto"  # auto (cpu float32, cuda tf32), float32, tf32, bfloat16, float16
 
@@ -137,6 +139,8 @@ class PlanConfig(Config):
     batch_size: int | None = None  # the decode batch size a speed budget is for (the profile's)
     time_limit_s: float = 60.0  # the integer program's time limit
     lm_head: str = "auto"  # auto (quantized under a speed budget when the inputs cover it), quantize, keep
+    targets: list[str] | None = None  # regexes of the layers to plan for (None: every block's linear layer)
+    ignore: list[str] | None = None  # regexes of layers left 16-bit (None: MoE routers; []: none)
 
 
 @dataclass(kw_only=True)
@@ -149,6 +153,8 @@ class CompressConfig(Config):
     sign_seed: int = 0  # of the random sign vectors of the rotation
     lm_head: bool = False  # with a scheme: quantize lm_head too (a plan says for itself)
     damp: float = 0.01  # with Hessians: LDLQ's damping, a fraction of the mean diagonal of H
+    targets: list[str] | None = None  # regexes of the layers to quantize (None: a plan's, or every block's linear layer)
+    ignore: list[str] | None = None  # regexes of layers left 16-bit (None: a plan's, or MoE routers; []: none)
 
 
 def _matches(value, hint) -> bool:

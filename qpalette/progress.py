@@ -9,14 +9,16 @@ import time
 LOG_STEP = 0.10  # fraction of the work between two lines in a log file
 
 
-def progress_bar(total: int, desc: str, unit: str, enabled: bool, smoothing: float = 0.05, initial: int = 0):
-    """An object with tqdm's update / set_postfix_str / close (and `with`)."""
+def progress_bar(total: int, desc: str, unit: str, enabled: bool, smoothing: float = 0.05, initial: int = 0,
+                 position: int = 0):
+    """An object with tqdm's update / set_postfix_str / close (and `with`); `position`: the line of
+    a terminal it takes (one per process of a run on several devices)."""
     from tqdm import tqdm
 
     if enabled and not _terminal():
         return LogProgress(total, desc, unit, initial)
     return tqdm(total=total, desc=desc, unit=unit, disable=not enabled, dynamic_ncols=True,
-                smoothing=smoothing, initial=initial)
+                smoothing=smoothing, initial=initial, position=position)
 
 
 def _terminal() -> bool:

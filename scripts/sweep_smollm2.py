@@ -7,7 +7,7 @@ Phases (each resumable; `collect` and `sweep` need a GPU for real runs, `plan` n
     collect  on the calibration text, each step a `qpalette` command, timed: `hessians`,
              `calibrate --loss ce` (the 'linear' loss term) and `loss-table --hessians` (the
              'actual' one). Hessians stay in WORK/hessians; the rest goes to --inputs and --out.
-    plan     the data-aware MSQ plans the rows need, from --inputs, into --inputs/plans.json.
+    plan     the data-aware MSQ plans the rows need, from --inputs, into --inputs/sweep_plans.json.
     sweep    every row in order: quantize (compress timed), load, perplexity over all
              --ctx-token windows of the evaluation text. The JSON (--out) is rewritten after every
              row and --resume skips the rows in it; a row that would end after --deadline is not
@@ -165,13 +165,13 @@ def inner_timing(key: str, output: Path) -> dict:
 
 
 def plan_file(args, key: str, make: bool) -> Path:
-    """The plan file of `key` (made into --inputs/plans.json first when missing and `make`)."""
+    """The plan file of `key` (made into --inputs/sweep_plans.json first when missing and `make`)."""
     if key.startswith("df-"):
         path = args.df_plans / f"plan_msq_{key[3:]}bits.json"
         if not path.is_file():
             raise Skip(f"no data-free plan {path}")
         return path
-    bundle = args.inputs / "plans.json"
+    bundle = args.inputs / "sweep_plans.json"
     plans = (read_json(bundle) or {"format": PLANS_FORMAT, "plans": {}})["plans"]
     if key not in plans:
         if not make:
@@ -258,9 +258,9 @@ def sweep(args) -> None:
         doc["rows"].append(row)
         doc["failed"] = [f for f in doc["failed"] if f["name"] != name]
         write_json(args.out, doc)
-    bundle = args.inputs / "plans.json"
+    bundle = args.inputs / "sweep_plans.json"
     if bundle.is_file() and args.out.parent.resolve() != args.inputs.resolve():
-        shutil.copy(bundle, args.out.parent / "plans.json")
+        shutil.copy(bundle, args.out.parent / "sweep_plans.json")
 
 
 def device_name(device: torch.device) -> str:

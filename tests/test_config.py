@@ -28,9 +28,9 @@ def pipeline(tiny_llama_dir, tmp_path_factory):
     """calibrate → plan → compress on the tiny model through the command line."""
     d = tmp_path_factory.mktemp("configs")
     cli("calibrate", tiny_llama_dir, "-o", d / "sens.json", "-n", "4", "--seq-len", "32", "--levels", "3",
-        "--t-max", "0.5", "--seed", "3", "--device", "cpu", "-q")
+        "--t-max", "0.5", "--seed", "3", "--ignore", "down_proj", "--device", "cpu", "-q")
     cli("plan", tiny_llama_dir, "-s", d / "sens.json", "-b", "3.5bits", "-p", "nuq,vq", "--no-fuse",
-        "-o", d / "plan.json", "--no-plot")
+        "--ignore", "down_proj", "-o", d / "plan.json", "--no-plot")
     cli("compress", tiny_llama_dir, "-p", d / "plan.json", "-o", d / "q", "--seed", "5", "--no-fuse",
         "--device", "cpu", "-q")
     return d
@@ -38,8 +38,9 @@ def pipeline(tiny_llama_dir, tmp_path_factory):
 
 def test_the_cli_records_exactly_the_config(pipeline):
     want = {
-        pipeline / "sens.json": CalibrateConfig(num_seqs=4, seq_len=32, levels=3, t_max=0.5, seed=3),
-        pipeline / "plan.json": PlanConfig(budget=["3.5bits"], palette=["nuq,vq"], fuse=False),
+        pipeline / "sens.json": CalibrateConfig(num_seqs=4, seq_len=32, levels=3, t_max=0.5, seed=3,
+                                                ignore=["down_proj"]),
+        pipeline / "plan.json": PlanConfig(budget=["3.5bits"], palette=["nuq,vq"], fuse=False, ignore=["down_proj"]),
         pipeline / "q" / "qpalette-compress.json": CompressConfig(fuse=False, sign_seed=5),
     }
     for path, config in want.items():
@@ -57,6 +58,7 @@ def test_the_api_repeats_a_run_from_its_recorded_config(pipeline, tiny_llama_dir
     plan = qpalette.plan(str(tiny_llama_dir), config=PlanConfig.load(pipeline / "plan.json"),
                          sensitivity=pipeline / "sens.json", output=tmp_path / "plan.json")
     assert plan.assignment() == Plan.load(pipeline / "plan.json").assignment()
+    assert not any(n.endswith("down_proj") for n in plan.assignment())  # the recorded ignore applied
     qpalette.compress(str(tiny_llama_dir), tmp_path / "plan.json", tmp_path / "q",
                       CompressConfig.load(pipeline / "q"), device="cpu", quiet=True)
     for shard in sorted((pipeline / "q").glob("*.safetensors")):

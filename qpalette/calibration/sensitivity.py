@@ -60,8 +60,6 @@ class CalibrateOptions(CalibrateConfig):
     model: str
     output: Path
     devices: list[str] = field(default_factory=lambda: ["cpu"])  # "cpu", "cuda:0", ...; see parse_devices
-    targets: list[str] | None = None  # regular expressions choosing the quantizable layers (models/walk.py)
-    ignore: list[str] | None = None
     resume: bool = False
     progress: bool = True
 

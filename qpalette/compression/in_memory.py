@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from qpalette.compression.blocks import other_tensors, quantize_block
+from qpalette.compression.blocks import code_blocks, other_tensors, quantize_block
 from qpalette.compression.layout import resolve_layout
 from qpalette.compression.source import StateDictSource, half_dtype
 from qpalette.compression.writer import data_aware_record, open_hessians
@@ -23,11 +23,10 @@ from qpalette.runtime.loading import is_quantized
 
 
 def quantize_model(model, plan_file: Path | None, config: CompressConfig, *, hessians: str | Path | None = None,
-                   device: str = "auto", targets: list[str] | None = None, ignore: list[str] | None = None):
+                   device: str = "auto"):
     """Quantize `model` (a transformers causal LM) in place and return it: with `config.scheme`
-    for every layer, or the plan in `plan_file`; LDLQ on the `hessians` folder when given;
-    `device`: where to quantize; `targets`/`ignore`: regular expressions choosing the layers
-    (models/walk.py)."""
+    for every layer, or the plan in `plan_file`, on the layers `config.targets`/`ignore` choose
+    (models/walk.py); LDLQ on the `hessians` folder when given; `device`: where to quantize."""
     if is_quantized(model):
         raise InputError("this model is already quantized")
     cfg = model.config.to_dict()
@@ -36,14 +35,15 @@ def quantize_model(model, plan_file: Path | None, config: CompressConfig, *, hes
     except ModelError as e:
         raise InputError(str(e)) from None
     layout, _, layers = resolve_layout(cfg, config.scheme, plan_file, config.lm_head, config.fuse, config.sign_seed,
-                                       targets, ignore)
+                                       config.targets, config.ignore)
     unfuse_experts(model)  # the state dict then names each expert's layers
     src, half, dev = StateDictSource(model.state_dict()), half_dtype(cfg), resolve_device(device)
     hess = open_hessians(None if hessians is None else Path(hessians), config.damp, src, cfg, layers)
     tensors: dict[str, torch.Tensor] = {}
     for block in range(cfg["num_hidden_layers"]):
-        block_h = hess.load(block) if hess is not None else None
-        tensors.update(quantize_block(src, block, layers, layout, dev, half, hessians=block_h, damp=config.damp))
+        coded = None if hess is None else code_blocks(src, {block: hess.load(block)}, layers, layout, dev,
+                                                      config.damp)[block]
+        tensors.update(quantize_block(src, block, layers, layout, dev, half, coded=coded))
     head_h = hess.load(cfg["num_hidden_layers"]) if hess is not None and HEAD in layout.layers else None
     tensors.update(other_tensors(src, cfg, layout, dev, half, hessians=head_h, damp=config.damp))
     where, dtype = model.device, model.dtype

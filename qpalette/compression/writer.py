@@ -8,6 +8,11 @@ Everything goes into `OUT.partial/`, each file written atomically, with a progre
 every shard; the folder is renamed to OUT only when config.json, the index, tokenizer and model
 card are all written. So a killed run leaves no folder that looks complete, and `--resume` picks
 up at the first missing shard.
+
+On several devices (`--device cuda:0,cuda:1`, or under torchrun; qpalette/distributed.py) each
+rank writes a contiguous run of the missing shards and its own progress file; rank 0 merges them,
+writes the index, config and card. The shards do not depend on which device made them, so the
+checkpoint is the same, byte for byte, as a one-device run's.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ from qpalette.compression.card import model_card
 from qpalette.compression.layout import resolve_layout
 from qpalette.compression.source import SourceCheckpoint, half_dtype
 from qpalette.config import CompressConfig
-from qpalette.devices import resolve_device
+from qpalette.devices import resolve_device, resolve_devices
+from qpalette.distributed import Group, from_torchrun, solo, spawn, under_torchrun
 from qpalette.errors import CompressError, ModelError
 from qpalette.fileio import atomic_write, atomic_write_json, output_lock, read_json_object
 from qpalette.models.topology import (
@@ -54,6 +60,7 @@ from qpalette.version import __version__
 
 PROGRESS_FORMAT = "qpalette.compress-progress/1"
 PROGRESS_FILE = "qpalette-progress.json"
+RANK_PROGRESS = "qpalette-progress.{rank}.json"  # ranks 1.. of a run on several devices
 REPORT_FILE = "qpalette-compress.json"
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
 _NOT_COPIED = {"config.json", "model.safetensors.index.json", "README.md", PROGRESS_FILE}
@@ -77,8 +84,6 @@ class CompressOptions(CompressConfig):
     quiet: bool = False
     random_codes: bool = False  # speed benchmarks of random-weight models: skip the quantizer
     hessians: Path | None = None  # a `qpalette hessians` folder: data-aware LDLQ instead of nearest rounding
-    targets: list[str] | None = None  # regular expressions choosing the layers (models/walk.py)
-    ignore: list[str] | None = None  # … and those left 16-bit; a plan's own by default
 
 
 @dataclass
@@ -95,6 +100,8 @@ class Job:
     src: SourceCheckpoint
     out: Path
     hessians: HessianSet | None = None
+    group: Group | None = None
+    mine: list[int] = field(default_factory=list)  # the shards this rank writes, in order
     started: float = field(default_factory=time.time)
     coded: dict[int, list[dict[str, torch.Tensor]]] = field(default_factory=dict)  # data-aware blocks made ahead
 
@@ -128,8 +135,9 @@ def data_aware_record(hessians: HessianSet | None, damp: float) -> dict | None:
     return {"method": "ldlq", "damp": damp, "hessians": hessians.provenance()}
 
 
-def prepare_job(opts: CompressOptions) -> Job:
-    """Resolve the model, the layout and the device; refuse what cannot work before any work."""
+def prepare_job(opts: CompressOptions, group: Group | None = None) -> Job:
+    """Resolve the model, the layout and the device (`group`'s on several devices); refuse what
+    cannot work before any work."""
     from qpalette.models.sources import resolve_model
 
     if (opts.plan is None) == (opts.scheme is None):
@@ -142,7 +150,7 @@ def prepare_job(opts: CompressOptions) -> Job:
         raise CompressError(str(e)) from None
     layout, plan, layers = resolve_layout(cfg, opts.scheme, opts.plan, opts.lm_head, opts.fuse, opts.sign_seed,
                                           opts.targets, opts.ignore)
-    device = resolve_device(opts.device)
+    group = group or solo(resolve_device(opts.device))
     src = SourceCheckpoint(src_dir)
     missing = [f"{l.name}.weight" for l in layers if f"{l.name}.weight" not in src.files
                and not (l.name == HEAD and "model.embed_tokens.weight" in src.files)]
@@ -154,7 +162,7 @@ def prepare_job(opts: CompressOptions) -> Job:
     out = Path(opts.output)
     if out.exists() and any(out.iterdir()) and not opts.overwrite:
         raise CompressError(f"{out} already exists and is not empty; pass --overwrite to replace it")
-    return Job(opts, src_dir, cfg, layers, layout, plan, device, src, out, hessians)
+    return Job(opts, src_dir, cfg, layers, layout, plan, group.device, src, out, hessians, group)
 
 
 def open_hessians(folder: Path | None, damp: float, src, cfg: dict, layers: list[LayerShape]) -> HessianSet | None:
@@ -172,9 +180,17 @@ def open_hessians(folder: Path | None, damp: float, src, cfg: dict, layers: list
 
 
 def save_manifest(job: Job, done: dict[str, dict], seconds: float) -> None:
-    """OUT.partial's progress file: the finished shards, the run's fingerprint, the time spent."""
-    atomic_write_json(job.partial / PROGRESS_FILE, {
+    """OUT.partial's progress file (rank 0's; each other rank has its own): the finished shards,
+    the run's fingerprint, the time spent."""
+    rank = job.group.rank if job.group else 0
+    name = RANK_PROGRESS.format(rank=rank) if rank else PROGRESS_FILE
+    atomic_write_json(job.partial / name, {
         "format": PROGRESS_FORMAT, "fingerprint": job.fingerprint, "shards": done, "seconds": seconds})
+
+
+def progress_files(partial: Path) -> list[Path]:
+    """Rank 0's progress file, then those of the other ranks of a run on several devices."""
+    return [partial / PROGRESS_FILE, *sorted(partial.glob(RANK_PROGRESS.format(rank="*")))]
 
 
 def open_partial(job: Job, log: Callable[[str], None]) -> tuple[dict[str, dict], float]:
@@ -183,14 +199,15 @@ def open_partial(job: Job, log: Callable[[str], None]) -> tuple[dict[str, dict],
     if partial.exists():
         if not job.opts.resume:
             raise CompressError(f"{partial} holds a previous unfinished run; continue it with --resume or delete it")
-        man = read_json_object(partial / PROGRESS_FILE, "compress progress", CompressError, PROGRESS_FORMAT)
-        if man.get("fingerprint") != job.fingerprint:
-            raise CompressError(
-                f"{partial} was started with other settings (model, plan/scheme, seed, device or "
-                "qpalette version differ); delete it or run with the same settings"
-            )
-        done = {k: v for k, v in man.get("shards", {}).items() if (partial / k).is_file()}
-        prior_s = float(man.get("seconds", 0.0))
+        for path in progress_files(partial):
+            man = read_json_object(path, "compress progress", CompressError, PROGRESS_FORMAT)
+            if man.get("fingerprint") != job.fingerprint:
+                raise CompressError(
+                    f"{partial} was started with other settings (model, plan/scheme, seed, device or "
+                    "qpalette version differ); delete it or run with the same settings"
+                )
+            done.update({k: v for k, v in man.get("shards", {}).items() if (partial / k).is_file()})
+            prior_s = max(prior_s, float(man.get("seconds", 0.0)))  # the ranks ran side by side
         log(f"resuming: {len(done)} of {job.n_shards} shards already written")
     else:  # the manifest first: a run killed before its first shard can still be resumed
         partial.mkdir(parents=True)
@@ -219,14 +236,15 @@ def shard_tensors(job: Job, i: int, on_layer: Callable[[str], None]) -> dict[str
 
 
 def code_window(job: Job, first: int, on_layer: Callable[[str], None]) -> dict[int, list[dict[str, torch.Tensor]]]:
-    """The coded matrices of blocks first.. (as many as WINDOW_FRACTION of the free memory holds
-    in LDLQ's float32 working copies, at least one), through LDLQ together (`code_blocks`)."""
+    """The coded matrices of this rank's blocks from `first` on (as many as WINDOW_FRACTION of
+    the free memory holds in LDLQ's float32 working copies, at least one), through LDLQ together
+    (`code_blocks`)."""
     if job.device.type == "cuda":
         budget = int(torch.cuda.mem_get_info(job.device)[0] * WINDOW_FRACTION)
     else:
         budget = CPU_WINDOW_BYTES
     blocks, size = [], 0
-    for b in range(first, job.cfg["num_hidden_layers"]):
+    for b in (b for b in job.mine if first <= b < job.cfg["num_hidden_layers"]):
         need = LDLQ_BYTES_PER_WEIGHT * sum(l.numel for l in job.layers if l.block == b and l.name != HEAD)
         if blocks and size + need > budget:
             break
@@ -236,25 +254,36 @@ def code_window(job: Job, first: int, on_layer: Callable[[str], None]) -> dict[i
                        job.opts.damp, on_layer)
 
 
-def write_shards(job: Job, done: dict[str, dict], prior_s: float) -> tuple[dict[str, str], dict[str, int]]:
-    """Write every missing shard (manifest after each); (weight map, bytes by category)."""
+def write_shards(job: Job, done: dict[str, dict], prior_s: float) -> dict[str, dict]:
+    """Write this rank's shards (`job.mine`), its progress file after each; returns the shards its
+    progress file records (rank 0's also holds those of earlier sessions)."""
+    group = job.group
+    own = dict(done) if group.main else {}
+    desc = "compress" if group.world == 1 else f"compress [{job.device}]"
+    initial = len(done) if group.world == 1 else 0
+    bar = progress_bar(initial + len(job.mine), desc, "shard", not job.opts.quiet, initial=initial,
+                       position=group.rank)
+    with bar:
+        for i in job.mine:
+            fname = shard_name(i, job.n_shards)
+            with _resumable(job, fname):
+                tensors = shard_tensors(job, i, lambda n: bar.set_postfix_str(n.split("layers.")[-1]))
+                atomic_write(job.partial / fname, shard_bytes(tensors))
+                own[fname] = {"tensors": sorted(tensors), "bytes": byte_breakdown(tensors, job.layout)}
+                save_manifest(job, own, prior_s + time.time() - job.started)
+            bar.update(1)
+    return own
 
+
+def index_shards(job: Job, done: dict[str, dict]) -> tuple[dict[str, str], dict[str, int]]:
+    """(weight map, bytes by category) of every shard, from the progress records."""
     weight_map: dict[str, str] = {}
     totals = dict.fromkeys(_CATEGORIES, 0)
-    bar = progress_bar(job.n_shards, "compress", "shard", not job.opts.quiet, initial=len(done))
-    with bar:
-        for i in range(job.n_shards):
-            fname = shard_name(i, job.n_shards)
-            if fname not in done:
-                with _resumable(job, fname):
-                    tensors = shard_tensors(job, i, lambda n: bar.set_postfix_str(n.split("layers.")[-1]))
-                    atomic_write(job.partial / fname, shard_bytes(tensors))
-                    done[fname] = {"tensors": sorted(tensors), "bytes": byte_breakdown(tensors, job.layout)}
-                    save_manifest(job, done, prior_s + time.time() - job.started)
-                bar.update(1)
-            weight_map.update(dict.fromkeys(done[fname]["tensors"], fname))
-            for k in totals:
-                totals[k] += done[fname]["bytes"][k]
+    for i in range(job.n_shards):
+        fname = shard_name(i, job.n_shards)
+        weight_map.update(dict.fromkeys(done[fname]["tensors"], fname))
+        for k in totals:
+            totals[k] += done[fname]["bytes"][k]
     return weight_map, totals
 
 
@@ -275,9 +304,11 @@ def _resumable(job: Job, fname: str):
         raise CompressError(f"cannot write {fname} into {job.partial}: {e.strerror}; make room, {again}") from None
 
 
-def make_report(job: Job, totals: dict[str, int], prior_s: float) -> dict:
-    """The run's report; checks the written bytes against the plan's prediction."""
-    opts, device = job.opts, job.device
+def make_report(job: Job, totals: dict[str, int], prior_s: float, ranks: list[dict]) -> dict:
+    """The run's report (`ranks`: each rank's device, shards and peak memory); checks the written
+    bytes against the plan's prediction."""
+    opts = job.opts
+    peaks = [r["peak_gpu_bytes"] for r in ranks if r["peak_gpu_bytes"] is not None]
     total_n = sum(l.numel for l in job.layers)
     report = {
         "format": "qpalette.compress-report/1",
@@ -286,10 +317,11 @@ def make_report(job: Job, totals: dict[str, int], prior_s: float) -> dict:
         "scheme": get_quantizer(opts.scheme).name if opts.scheme else None,
         "avg_bits": sum(l.numel * get_quantizer(job.layout.layers[l.name]).bits for l in job.layers) / total_n,
         "bytes": totals,
-        "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
+        "device": (f"{len(ranks)}× " if len(ranks) > 1 else "") + ranks[0]["name"],
         "wall_time_s": round(prior_s + time.time() - job.started, 2),
         "peak_cpu_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        "peak_gpu_bytes": max(peaks) if peaks else None,  # of one device
+        "ranks": ranks,
         "resumed": prior_s > 0,
         "random_codes": opts.random_codes,
         "data_aware": job.data_aware(),
@@ -329,25 +361,62 @@ def finish(job: Job, weight_map: dict[str, str], report: dict) -> None:
     atomic_write_json(partial / "config.json", new_cfg)
     if job.out.exists():
         shutil.rmtree(job.out)
+    for extra in progress_files(partial)[1:]:  # the other ranks' (rank 0's, the last to go, says what is done)
+        extra.unlink()
     os.replace(partial, job.out)  # killed before this: OUT.partial still has its manifest, --resume
     (job.out / PROGRESS_FILE).unlink()
+
+
+def rank_record(job: Job, shards: int) -> dict:
+    """This rank's line of the report."""
+    cuda = job.device.type == "cuda"
+    return {"device": str(job.device), "name": torch.cuda.get_device_name(job.device) if cuda else "cpu",
+            "shards": shards, "peak_gpu_bytes": torch.cuda.max_memory_allocated(job.device) if cuda else None}
 
 
 def compress(opts: CompressOptions, log: Callable[[str], None] = print) -> dict:
     """Run (or resume) the whole compression; returns the report (also OUT/qpalette-compress.json).
 
-    The whole run holds OUT.lock (`output_lock`), taken before OUT is checked or OUT.partial
-    opened: a second run on the same OUT (two --resume runs included) stops at once."""
+    `opts.device` with several devices (cuda:0,cuda:1; cpu,cpu) starts one process for each; under
+    torchrun this process is one rank of the group torchrun made. The whole run holds OUT.lock
+    (`output_lock`; rank 0's under torchrun), taken before OUT is checked or OUT.partial opened:
+    a second run on the same OUT (two --resume runs included) stops at once."""
+    if under_torchrun():
+        group = from_torchrun(opts.device)
+        if not group.main:
+            return compress_rank(group, opts, log)
+        with output_lock(opts.output, "qpalette compress", CompressError):
+            return compress_rank(group, opts, log)
+    devices = resolve_devices(opts.device) if "," in opts.device else [resolve_device(opts.device)]
     with output_lock(opts.output, "qpalette compress", CompressError):
-        job = prepare_job(opts)
-        done, prior_s = open_partial(job, log)
-        if job.device.type == "cpu" and any(get_quantizer(q).family in ("tcq", "half-tcq")
-                                            for q in job.layout.layers.values()):
-            log("note: trellis (TCQ) quantization on CPU is slow (~25-50 min per 4096×4096 matrix); "
-                "use a GPU (--device cuda) for real models")
-        if job.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(job.device)
-        weight_map, totals = write_shards(job, done, prior_s)
-        report = make_report(job, totals, prior_s)
-        finish(job, weight_map, report)
-        return report
+        if len(devices) == 1:
+            return compress_rank(solo(devices[0]), opts, log)
+        spawn(compress_rank, devices, opts)
+        return read_json_object(Path(opts.output) / REPORT_FILE, "compress report", CompressError)
+
+
+def compress_rank(group: Group, opts: CompressOptions, log: Callable[[str], None] = print) -> dict | None:
+    """One rank's part of the run (the whole run on one device): rank 0 opens OUT.partial, every
+    rank writes its share of the missing shards, rank 0 gathers their records and finishes.
+    Returns the report on rank 0."""
+    job = prepare_job(opts, group)
+    opened = open_partial(job, log) if group.main else None
+    done, prior_s = group.broadcast(opened)
+    job.mine = group.share([i for i in range(job.n_shards) if shard_name(i, job.n_shards) not in done])
+    if group.main and job.device.type == "cpu" and any(
+            get_quantizer(q).family in ("tcq", "half-tcq") for q in job.layout.layers.values()):
+        log("note: trellis (TCQ) quantization on CPU is slow (~25-50 min per 4096×4096 matrix); "
+            "use a GPU (--device cuda) for real models")
+    if job.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(job.device)
+    own = write_shards(job, done, prior_s)
+    records = group.gather((own, rank_record(job, len(job.mine))))
+    if not group.main:
+        return None
+    for shards, _ in records[1:]:
+        done.update(shards)
+    done.update(records[0][0])
+    weight_map, totals = index_shards(job, done)
+    report = make_report(job, totals, prior_s, [r for _, r in records])
+    finish(job, weight_map, report)
+    return report

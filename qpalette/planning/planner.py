@@ -284,7 +284,8 @@ def plan(
         },
         notes=notes,
         config=PlanConfig(budget=list(budget_texts), palette=None if palette is None else list(palette), fuse=fuse,
-                          batch_size=batch_size, time_limit_s=time_limit_s, lm_head=lm_head),
+                          batch_size=batch_size, time_limit_s=time_limit_s, lm_head=lm_head, targets=targets,
+                          ignore=ignore),
     )
     result.provenance["wall_time_s"] = time.time() - t0
     return result

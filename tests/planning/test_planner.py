@@ -206,7 +206,7 @@ def test_speed_budget_without_any_matching_profile_says_how_to_get_one(tiny_llam
 RESULTS = Path(__file__).resolve().parents[2] / "results"
 
 
-@pytest.mark.parametrize("path", sorted(RESULTS.glob("**/plan*.json")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted(RESULTS.glob("**/plan_*.json")), ids=lambda p: p.name)  # not plans.json: a sweep's list
 def test_plan_files_round_trip(path, tmp_path):
     """Plan.load reads every results/ plan; to_dict is the file's JSON; save writes its bytes."""
     p = Plan.load(path)

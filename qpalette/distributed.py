@@ -1,0 +1,130 @@
+"""Work spread over several devices: one process per device in a torch.distributed group.
+
+Two ways in, one code path:
+- the command spreads itself (`--devices cuda:0,cuda:1`, `cpu,cpu` in tests): `spawn` starts one
+  process per device through torch.multiprocessing and joins them;
+- torchrun starts the processes (one per GPU, on one machine or several; see docs/distributed.md)
+  and `from_torchrun` reads the group from its environment.
+
+The ranks only exchange small Python objects (which shards or layers are done, their results), so
+the group always runs gloo, on CPUs and GPUs alike; the heavy tensors never leave their device.
+A rank that fails stops the others: torch.multiprocessing's join and torchrun's agent both kill
+the remaining processes. A user error on any rank (a `QpaletteError`) reaches the caller as the
+same error class and message, without a traceback.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from qpalette import errors
+from qpalette.errors import QpaletteError
+
+TIMEOUT = datetime.timedelta(hours=2)  # a rank may wait this long for a slower one (one big layer, one window)
+
+
+@dataclass(frozen=True)
+class Group:
+    """This process's place among the ranks; `world` 1 is a run on one device."""
+
+    rank: int
+    world: int
+    device: torch.device
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def gather(self, obj) -> list:
+        """`obj` of every rank, in rank order, on every rank."""
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast(self, obj):
+        """Rank 0's `obj`, on every rank."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def share(self, items: list) -> list:
+        """This rank's contiguous part of `items` (the parts differ in length by one at most)."""
+        n = len(items)
+        return items[self.rank * n // self.world:(self.rank + 1) * n // self.world]
+
+
+def solo(device: torch.device) -> Group:
+    return Group(0, 1, device)
+
+
+def under_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "LOCAL_RANK" in os.environ
+
+
+def from_torchrun(device_kind: str) -> Group:
+    """The group torchrun started this process in; its device is cuda:LOCAL_RANK (or the CPU when
+    `device_kind` is "cpu" or no GPU is visible)."""
+    rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    if device_kind != "cpu" and torch.cuda.is_available():
+        device = torch.device(f"cuda:{local % torch.cuda.device_count()}")
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=TIMEOUT)
+    return Group(rank, world, device)
+
+
+def spawn(fn: Callable, devices: list[torch.device], *args) -> None:
+    """Run fn(group, *args) in one new process per device and wait for all of them. A
+    `QpaletteError` raised on a rank is raised here (first rank first); anything else propagates
+    as torch.multiprocessing's exception, with the rank's traceback."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="qpalette-group-") as tmp:
+        store = Path(tmp) / "store"
+        try:
+            mp.spawn(_rank_main, args=(fn, [str(d) for d in devices], str(store), tmp, args),
+                     nprocs=len(devices), join=True)
+        except mp.ProcessExitedException:
+            _raise_reported(Path(tmp), len(devices))
+            raise
+
+
+def _rank_main(rank: int, fn: Callable, devices: list[str], store: str, tmp: str, args: tuple) -> None:
+    device = torch.device(devices[rank])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=len(devices),
+                            timeout=TIMEOUT)
+    try:
+        fn(Group(rank, len(devices), device), *args)
+    except QpaletteError as e:  # a user error: reported to the parent, which raises it without a traceback
+        Path(tmp, f"error-{rank}.json").write_text(json.dumps({"class": type(e).__name__, "message": str(e)}))
+        raise SystemExit(2) from None
+    finally:
+        dist.destroy_process_group()
+
+
+def _raise_reported(tmp: Path, world: int) -> None:
+    for rank in range(world):
+        f = tmp / f"error-{rank}.json"
+        if f.is_file():
+            err = json.loads(f.read_text())
+            cls = getattr(errors, err["class"], QpaletteError)
+            if not (isinstance(cls, type) and issubclass(cls, QpaletteError)) or cls is errors.InfeasibleBudget:
+                cls = QpaletteError
+            raise cls(err["message"]) from None
