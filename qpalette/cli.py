@@ -366,7 +366,10 @@ def compress(
     fuse: bool = typer.Option(
         True, "--fuse/--no-fuse", help="Store fused groups (q/k/v, gate/up) as one matrix, one matmul."
     ),
-    device: str = typer.Option("auto", help="Where to quantize: auto (GPU if present), cpu, cuda, cuda:1."),
+    device: str = typer.Option(
+        "auto", help="Where to quantize: auto (GPU if present), cpu, cuda, cuda:1; several (cuda:0,cuda:1): one "
+        "process each, blocks shared out, the same checkpoint. Under torchrun: each rank's GPU."
+    ),
     seed: int = typer.Option(0, help="Seed of the random sign vectors."),
     resume: bool = typer.Option(False, "--resume", help="Continue a killed run (OUTPUT.partial/)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing OUTPUT folder."),
@@ -400,6 +403,10 @@ def compress(
       qpalette compress smollm2-135m --plan plan.json -o smollm2-q
 
       qpalette compress MODEL_DIR --scheme tcq-3.0 -o MODEL_DIR-tcq3 --device cuda --resume
+
+      qpalette compress MODEL_DIR --plan plan.json -o MODEL_DIR-q --device cuda:0,cuda:1
+
+      torchrun --nproc-per-node 2 -m qpalette compress MODEL_DIR --plan plan.json -o MODEL_DIR-q
     """
     if (plan_file is None) == (scheme is None):
         fail("give exactly one of --plan PLAN.json or --scheme ENTRY (e.g. tcq-3.0)")
@@ -408,6 +415,10 @@ def compress(
     rep = api.compress(model, plan_file or scheme, output, config, device=device, hessians=hessians, resume=resume,
                        overwrite=overwrite, quiet=quiet, random_codes=random_codes,
                        log=lambda m: typer.echo(m, err=True))
+    from qpalette.distributed import secondary_rank
+
+    if secondary_rank():
+        return
     by = rep["bytes"]
     say = _say(json_out)
     say(

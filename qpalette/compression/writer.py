@@ -395,10 +395,10 @@ def compress(opts: CompressOptions, log: Callable[[str], None] = print) -> dict:
         return read_json_object(Path(opts.output) / REPORT_FILE, "compress report", CompressError)
 
 
-def compress_rank(group: Group, opts: CompressOptions, log: Callable[[str], None] = print) -> dict | None:
+def compress_rank(group: Group, opts: CompressOptions, log: Callable[[str], None] = print) -> dict:
     """One rank's part of the run (the whole run on one device): rank 0 opens OUT.partial, every
     rank writes its share of the missing shards, rank 0 gathers their records and finishes.
-    Returns the report on rank 0."""
+    Returns the report (on every rank)."""
     job = prepare_job(opts, group)
     opened = open_partial(job, log) if group.main else None
     done, prior_s = group.broadcast(opened)
@@ -412,11 +412,11 @@ def compress_rank(group: Group, opts: CompressOptions, log: Callable[[str], None
     own = write_shards(job, done, prior_s)
     records = group.gather((own, rank_record(job, len(job.mine))))
     if not group.main:
-        return None
+        return group.broadcast(None)
     for shards, _ in records[1:]:
         done.update(shards)
     done.update(records[0][0])
     weight_map, totals = index_shards(job, done)
     report = make_report(job, totals, prior_s, [r for _, r in records])
     finish(job, weight_map, report)
-    return report
+    return group.broadcast(report)

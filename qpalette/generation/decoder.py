@@ -70,8 +70,9 @@ class SlotKVCache:
             self.keys[layer_idx] = key_states.new_zeros(b, h, self.length, d)
             self.values[layer_idx] = value_states.new_zeros(b, h, self.length, d)
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        keys.index_copy_(2, self.write_at, key_states)
-        values.index_copy_(2, self.write_at, value_states)
+        at = self.write_at.to(keys.device)  # a model split over GPUs keeps each layer's cache on its device
+        keys.index_copy_(2, at, key_states)
+        values.index_copy_(2, at, value_states)
         return keys, values
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -99,7 +100,8 @@ class _Batch:
 
 class Decoder:
     """Generates from token ids with `model`; keeps its caches and graphs between calls.
-    `graphs`: replay decode steps as CUDA graphs (default; only on CUDA devices). `compile`: the
+    `graphs`: replay decode steps as CUDA graphs (default; only on CUDA devices, and not for a model
+    split over several devices by a device_map: one graph captures one device's stream). `compile`: the
     step that a graph captures is first compiled by inductor (default with graphs), so that the
     graph replays fused kernels: captured eagerly, a 32-block model's step is ~1000 small kernels,
     and their launch gaps inside the graph cost 1.8 ms a token on an H100 (measured, FP16 8B)."""
@@ -107,7 +109,8 @@ class Decoder:
     def __init__(self, model, graphs: bool | None = None, compile: bool | None = None):
         self.model = model
         self.device, self.dtype = model.device, model.dtype
-        self.graphs = self.device.type == "cuda" and graphs is not False
+        split = len({p.device for p in model.parameters()}) > 1
+        self.graphs = self.device.type == "cuda" and graphs is not False and not split
         self.compile = self.graphs and compile is not False
         self._compiled_step = None
         self._batches: dict[tuple[int, int], _Batch] = {}
