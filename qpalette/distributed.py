@@ -67,6 +67,11 @@ class Group:
 
 
 def solo(device: torch.device) -> Group:
+    """One device, CUDA's initialised on it (its memory statistics exist only then)."""
+    if device.type == "cuda":
+        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+        torch.cuda.set_device(device)
+        torch.cuda.init()
     return Group(0, 1, device)
 
 
@@ -86,6 +91,7 @@ def from_torchrun(device_kind: str) -> Group:
     if device_kind != "cpu" and torch.cuda.is_available():
         device = torch.device(f"cuda:{local % torch.cuda.device_count()}")
         torch.cuda.set_device(device)
+        torch.cuda.init()
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
@@ -113,6 +119,7 @@ def _rank_main(rank: int, fn: Callable, devices: list[str], store: str, tmp: str
     device = torch.device(devices[rank])
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        torch.cuda.init()
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=len(devices),
                             timeout=TIMEOUT)
     try:

@@ -100,13 +100,14 @@ def test_seeded_sampling_is_reproducible(tiny_llama_dir, device):
 
 
 def test_graph_replay_equals_eager_steps(tiny_q_dir, device):
-    """CUDA: the captured graph decodes the same tokens as the same steps run eagerly."""
+    """CUDA: the captured graph decodes the same tokens as the same steps run eagerly (both
+    uncompiled: inductor's fused kernels round differently, and a sampled token may then differ)."""
     if device.type != "cuda":
         pytest.skip("CUDA graphs need a GPU")
     model, _ = load_model(tiny_q_dir, device, tokenizer=False)
     prompts = prompts_of(model, (2, 13, 5), seed=4)
     opts = SamplingOptions(temperature=0.9, top_p=0.9, seed=1)
-    graphed = Decoder(model).generate_ids(prompts, 40, opts, stop_at_eos=False)
+    graphed = Decoder(model, compile=False).generate_ids(prompts, 40, opts, stop_at_eos=False)
     eager = Decoder(model, graphs=False).generate_ids(prompts, 40, opts, stop_at_eos=False)
     assert graphed.graphs and not eager.graphs
     assert graphed.tokens == eager.tokens
