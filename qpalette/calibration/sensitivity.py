@@ -209,9 +209,7 @@ def measure_share(group: Group, model, tokens: torch.Tensor, todo: list[str], se
     model order (its block cache only moves forward). One layer a round: after each round every
     rank's (name, deltas, seconds) reaches `record` (given on rank 0) in `todo` order, and `bar`
     (rank 0's, in evaluations) counts the other ranks at this one's pace."""
-    mine = todo[group.rank::group.world]
-    results = layer_deltas(model, tokens, mine, settings, device, lambda: tick()) if mine else iter(())
-    done = own = active = 0
+    done = own = active = 0  # evaluations of the finished rounds; this rank's in this round; ranks in it
 
     def show(n: int) -> None:
         if bar is not None and n > bar.n:
@@ -222,6 +220,8 @@ def measure_share(group: Group, model, tokens: torch.Tensor, todo: list[str], se
         own += 1
         show(done + own * active)
 
+    mine = todo[group.rank::group.world]
+    results = layer_deltas(model, tokens, mine, settings, device, tick) if mine else iter(())
     for first in range(0, len(todo), group.world):
         own, active = 0, min(group.world, len(todo) - first)
         for got in group.gather(next(results, None)):
@@ -280,8 +280,9 @@ def document(opts: CalibrateOptions, run: PartialRun, names: list[str], layers_s
             "layers": layers, "timing": timing}
 
 
-def calibrate(opts: CalibrateOptions, log: Callable[[str], None] = print) -> dict:
-    """Run (or resume) a calibration and write opts.output. Returns the written document.
+def calibrate(opts: CalibrateOptions, log: Callable[[str], None] = print) -> dict | None:
+    """Run (or resume) a calibration and write opts.output. Returns the written document (None on
+    the ranks other than 0 under torchrun).
 
     Check the options; take the output's lock (before loading the model: a second writer stops at
     once; rank 0's under torchrun); decide where the model goes (`calibration.placement`): split
@@ -323,6 +324,9 @@ def placement(opts: CalibrateOptions, model_dir: Path, devices: list[torch.devic
     except ModelError as e:
         raise CalibrationError(str(e)) from None
     split = place(units, device_budgets(devices, opts.max_memory), [str(d) for d in devices])
+    if split is not None and len({d.type for d in devices}) > 1:
+        raise CalibrationError(f"the model does not fit one device and is split over {len(devices)}: "
+                               "give devices of one kind (cuda:0,cuda:1), not the CPU and GPUs together")
     if split is not None:
         try:
             import accelerate  # noqa: F401 — transformers' device_map dispatches through it
