@@ -333,7 +333,7 @@ def placement(opts: CalibrateOptions, model_dir: Path, devices: list[torch.devic
         except ImportError:
             raise CalibrationError(
                 "the model does not fit one device: splitting it over several needs accelerate "
-                "(pip install accelerate)") from None
+                "(pip install accelerate, or qpalette[split])") from None
     return split
 
 
