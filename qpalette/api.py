@@ -53,19 +53,24 @@ def palette(families: tuple[str, ...] | None = None, *, measure: bool = False, r
 
 
 def calibrate(model: str, output: str | Path = "sens.json", config: CalibrateConfig | None = None, *,
-              devices: str = "auto", resume: bool = False, progress: bool = True, log: Log = _quiet,
-              **fields) -> dict:
+              devices: str = "auto", max_memory: str | int | None = None, resume: bool = False,
+              progress: bool = True, log: Log = _quiet, **fields) -> dict | None:
     """Per-layer sensitivities a_l (the coefficients of Loss(Q(W)) − Loss(W) ≈ Σ a_l·err_l),
     written to `output` and returned; the file records `config` under "config".
 
     `config`: a `CalibrateConfig` (default: its defaults); `fields`, its field names as keywords
-    (num_seqs=64, targets=[...], ...), override it. `devices`: auto, cpu, cuda, cuda:0,cuda:1 (one
-    worker each); `resume`: continue an interrupted run of `output`."""
+    (num_seqs=64, targets=[...], ...), override it. `devices`: auto, cpu, cuda, cuda:0,cuda:1 (a
+    whole copy of the model on each, one process each; docs/distributed.md); `max_memory`: the
+    weights one device may hold ("20GiB", or bytes): a model larger than that is split over the
+    devices instead; `resume`: continue an interrupted run of `output`. Under torchrun, only rank
+    0 returns the document (the other ranks None)."""
     from qpalette.calibration.sensitivity import CalibrateOptions, parse_devices
     from qpalette.calibration.sensitivity import calibrate as run
+    from qpalette.devices import parse_memory
 
     cfg = (config or CalibrateConfig()).updated(**fields)
     opts = CalibrateOptions(model=model, output=Path(output), devices=parse_devices(devices), resume=resume,
+                            max_memory=parse_memory(max_memory) if isinstance(max_memory, str) else max_memory,
                             progress=progress, **cfg.values())
     return run(opts, log=log)
 

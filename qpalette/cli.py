@@ -152,7 +152,14 @@ def calibrate(
         "on the text (data-aware); kl; ce."
     ),
     seed: int = typer.Option(0, help="Seed of the sampled sequences and of the noise."),
-    device: str = typer.Option("auto", help="auto (all GPUs, else CPU), cpu, cuda, cuda:0,cuda:1 ..."),
+    device: str = typer.Option(
+        "auto", help="auto (all GPUs, else CPU), cpu, cuda, cuda:0,cuda:1 ...: a whole copy of the model on each, "
+        "one process each (or under torchrun: docs/distributed.md)."
+    ),
+    max_memory: Optional[str] = typer.Option(
+        None, "--max-memory", help="Weights one device may hold (e.g. 20GiB; on a GPU also at most 75% of its free "
+        "memory): a model larger than that is split over the --device list, in one process."
+    ),
     batch_size: int = typer.Option(0, "--batch-size", help="Sequences per forward pass (0: automatic)."),
     dtype: str = typer.Option("auto", help="auto (cpu float32, cuda tf32), float32, tf32, bfloat16, float16."),
     layers: Optional[str] = typer.Option(None, help="Only layers whose name matches this regex."),
@@ -177,13 +184,17 @@ def calibrate(
       qpalette calibrate smollm2-135m -o sens.json
 
       qpalette calibrate MODEL_DIR --text-file calib.txt -o sens.json --device cuda --resume
+
+      qpalette calibrate MODEL_DIR -o sens.json --device cuda:0,cuda:1 --max-memory 70GiB
     """
     config = CalibrateConfig(num_seqs=num_seqs, seq_len=seq_len, levels=levels, t_max=t_max, directions=directions,
                              loss=loss, seed=seed, dataset=dataset, text_file=str(text_file) if text_file else None,
                              layers=layers, targets=targets or None, ignore=_patterns(ignore), batch_size=batch_size,
                              dtype=dtype)
-    doc = api.calibrate(model, output, config, devices=device, resume=resume, progress=not quiet,
-                        log=lambda m: typer.echo(m, err=True))
+    doc = api.calibrate(model, output, config, devices=device, max_memory=max_memory, resume=resume,
+                        progress=not quiet, log=lambda m: typer.echo(m, err=True))
+    if doc is None:  # a rank other than 0 under torchrun: rank 0 reports
+        return
     t = doc["timing"]
     _say(json_out)(
         f"{doc['n_layers']} layers, {doc['tokens']} tokens ({doc['protocol']}), median R² "

@@ -69,3 +69,16 @@ def resolve_dtype(name: str, device: torch.device, auto_cuda: str = "float16") -
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+_BYTE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_memory(spec: str) -> int:
+    """Bytes of a --max-memory size: 20GiB, 80GB, 512MiB (KB/MB/GB/TB powers of 1000, KiB/MiB/GiB/TiB
+    of 1024, B bytes)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]+)\s*", spec)
+    if not m or m[2].lower() not in _BYTE_UNITS or float(m[1]) <= 0:
+        raise InputError(f"bad --max-memory '{spec}': a positive size such as 20GiB, 80GB or 512MiB")
+    return int(float(m[1]) * _BYTE_UNITS[m[2].lower()])

@@ -99,6 +99,15 @@ def from_torchrun(device_kind: str) -> Group:
     return Group(rank, world, device)
 
 
+def finish(group: Group) -> None:
+    """The end of a rank's work under torchrun: wait for every rank, then take the process group
+    down. A process that exits with the group up, or takes it down while another rank still talks
+    to it, can abort in gloo's threads ("terminate called without an active exception")."""
+    if group.world > 1 and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def spawn(fn: Callable, devices: list[torch.device], *args) -> None:
     """Run fn(group, *args) in one new process per device and wait for all of them. A
     `QpaletteError` raised on a rank is raised here (first rank first); anything else propagates
@@ -124,6 +133,7 @@ def _rank_main(rank: int, fn: Callable, devices: list[str], store: str, tmp: str
                             timeout=TIMEOUT)
     try:
         fn(Group(rank, len(devices), device), *args)
+        dist.barrier()  # every rank done before any takes the group down (see `finish`)
     except QpaletteError as e:  # a user error: reported to the parent, which raises it without a traceback
         Path(tmp, f"error-{rank}.json").write_text(json.dumps({"class": type(e).__name__, "message": str(e)}))
         raise SystemExit(2) from None

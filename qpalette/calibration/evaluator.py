@@ -7,6 +7,10 @@ log-probs of the KL (kept, or the final hidden states when the log-probs do not 
 `cache_ref_bytes`), or, with loss "ce", for its mean next-token cross-entropy on the tokens
 (`base_nll`). `advance_to(j)` moves the cached inputs forward, unperturbed, to the input of block
 j; `mean_kl()` / `mean_nll()` then run blocks j.. of the current (perturbed) model only.
+
+The blocks may sit on different devices (a model split over several GPUs by accelerate,
+`calibration.placement`): every block gets its cached input and keyword arguments (masks, rotary
+tables) on its own device, the final norm and lm_head theirs.
 """
 
 from __future__ import annotations
@@ -47,6 +51,28 @@ def linear_layers(model, targets: list[str] | None = None, ignore: list[str] | N
     return out
 
 
+def module_device(module: torch.nn.Module, default=None) -> torch.device | None:
+    """Where `module` runs: accelerate's execution device when it is dispatched, else the device of
+    its first parameter (or buffer); `default` for a module holding neither."""
+    hook_device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+    if hook_device is not None:
+        return torch.device(f"cuda:{hook_device}" if isinstance(hook_device, int) else hook_device)
+    for t in (*module.parameters(), *module.buffers()):
+        return t.device
+    return None if default is None else torch.device(default)
+
+
+def to_device(obj, device: torch.device):
+    """`obj` (tensors, possibly in tuples, lists and dicts) on `device`."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(to_device(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    return obj
+
+
 def ref_cache_budget(device: torch.device) -> int:
     """Bytes the reference log-probs may take: 35% of the free GPU memory, 1 GiB on the CPU."""
     if device.type == "cuda":
@@ -81,6 +107,7 @@ def block_input(model, ids):
             raise _Stop
         return hidden_states
 
+    hooked = [blk.__dict__.get("forward") for blk in blocks]  # accelerate's wrappers, when dispatched
     for j, blk in enumerate(blocks):
         blk.forward = functools.partial(recorder, j)
     try:
@@ -88,15 +115,21 @@ def block_input(model, ids):
     except _Stop:
         pass
     finally:
-        for blk in blocks:
-            del blk.forward
+        for blk, forward in zip(blocks, hooked):
+            if forward is None:
+                del blk.forward
+            else:
+                blk.forward = forward
     return box["h"], box["kw"]
 
 
 def final_logits(model, h: torch.Tensor) -> torch.Tensor:
     """lm_head of the final norm of the last block's output, soft-capped where the model caps its
-    logits (Gemma-2's final_logit_softcapping)."""
-    logits = model.lm_head(model.model.norm(h))
+    logits (Gemma-2's final_logit_softcapping); `h` is moved to the norm's device, the normed
+    states to the head's."""
+    norm = model.model.norm
+    h = norm(h.to(module_device(norm, h.device)))
+    logits = model.lm_head(h.to(module_device(model.lm_head, h.device)))
     cap = getattr(model.config, "final_logit_softcapping", None)
     if cap:
         logits = torch.tanh(logits / cap) * cap
@@ -110,7 +143,9 @@ class BlockEvaluator:
         self.model = model
         self.blocks = decoder_blocks(model)
         self.head = model.lm_head
-        self.device = torch.device(device)
+        self.device = torch.device(device)  # of modules that hold no tensor (their inputs stay put)
+        self.input_device = module_device(model.get_input_embeddings(), self.device)
+        self.block_devices = [module_device(b, self.device) for b in self.blocks]
         self.chunks = [tokens[i: i + batch_size] for i in range(0, tokens.shape[0], batch_size)]
         self.n_tokens = tokens.numel()
         self.kwargs = {}  # each block's keyword arguments, by chunk size
@@ -126,9 +161,10 @@ class BlockEvaluator:
         """Embeddings + per-shape block kwargs, then one unperturbed pass for the references of
         `loss`: "kl" (reference log-probs) or "ce" (`base_nll`)."""
         for chunk in self.chunks:
-            h, kw = block_input(self.model, chunk.to(self.device))
-            self.hidden.append(h)
-            self.kwargs.setdefault(chunk.shape[0], kw)
+            h, kw = block_input(self.model, chunk.to(self.input_device))
+            self.hidden.append(h.to(self.block_devices[0]))
+            if chunk.shape[0] not in self.kwargs:
+                self.kwargs[chunk.shape[0]] = [to_device(k, d) for k, d in zip(kw, self.block_devices)]
         if loss == "ce":
             self.base_nll = self.mean_nll()
             return
@@ -140,7 +176,7 @@ class BlockEvaluator:
     def _run_blocks(self, start: int, h):
         kw = self.kwargs[h.shape[0]]
         for j in range(start, len(self.blocks)):
-            h = block_output(self.blocks[j](h, **kw[j]))
+            h = block_output(self.blocks[j](h.to(self.block_devices[j]), **kw[j]))
         return h
 
     def _logprobs(self, h):
@@ -158,6 +194,8 @@ class BlockEvaluator:
             j = self.block
             self.hidden = [block_output(self.blocks[j](h, **self.kwargs[h.shape[0]][j])) for h in self.hidden]
             self.block += 1
+            if self.block < len(self.blocks):
+                self.hidden = [h.to(self.block_devices[self.block]) for h in self.hidden]
 
     @torch.no_grad()
     def mean_kl(self) -> float:

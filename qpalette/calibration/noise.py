@@ -4,12 +4,12 @@ or next-token cross-entropy on the text): the measurement behind a_l."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-from qpalette.calibration.evaluator import BlockEvaluator, linear_layers, ref_cache_budget
+from qpalette.calibration.evaluator import BlockEvaluator, linear_layers, module_device, ref_cache_budget
 
 
 def noise_levels(levels: int, t_max: float = 1.0) -> list[float]:
@@ -56,28 +56,29 @@ class Settings:
     loss: str = "kl"  # kl: KL(original ‖ perturbed); ce: increase of next-token cross-entropy
 
 
-def run_layers(model, tokens: torch.Tensor, todo: list[str], settings: Settings, device,
-               report: Callable[[str, list[float], float], None],
-               tick: Callable[[], None] = lambda: None) -> None:
-    """Measure the loss increase (settings.loss) at every level for the layers named in `todo`;
-    report(name, deltas, seconds)."""
-    device = torch.device(device)
+def layer_deltas(model, tokens: torch.Tensor, todo: list[str], settings: Settings, device,
+                 tick: Callable[[], None] = lambda: None) -> Iterator[tuple[str, list[float], float]]:
+    """(name, loss increase at every level, seconds) of each layer named in `todo`, in model order
+    (the block cache only moves forward); the measurement starts at the first `next`. `device`:
+    where the model runs (one device; the evaluator follows a model split over several)."""
     wanted = set(todo)
-    ev = BlockEvaluator(model, tokens, settings.batch_size, device, ref_cache_budget(device))
+    budget = ref_cache_budget(module_device(model.lm_head, device))  # the reference log-probs stay by the head
+    ev = BlockEvaluator(model, tokens, settings.batch_size, device, budget)
     ev.prepare(settings.loss)
     for k, (name, mod, block) in enumerate(linear_layers(model, targets=[".*"], ignore=[])):  # k seeds the noise
         if name in wanted:
             t0 = time.perf_counter()
             ev.advance_to(block)
-            dkl = perturbed_kl(ev, mod.weight, k, settings, device, tick)
-            report(name, dkl, time.perf_counter() - t0)
+            dkl = perturbed_kl(ev, mod.weight, k, settings, tick)
+            yield name, dkl, time.perf_counter() - t0
 
 
-def perturbed_kl(ev: BlockEvaluator, w: torch.Tensor, layer_index: int, settings: Settings, device,
+def perturbed_kl(ev: BlockEvaluator, w: torch.Tensor, layer_index: int, settings: Settings,
                  tick: Callable[[], None]) -> list[float]:
     """The loss increase at every noise level of the weight `w` (of layer `layer_index` in model
     order): mean KL, or mean cross-entropy minus the unperturbed one; `w` is restored exactly (from
-    a saved copy, not W − noise) afterwards."""
+    a saved copy, not W − noise) afterwards. The noise is drawn on `w`'s device."""
+    device = w.device
     original = w.detach().clone()
     w0 = original.float()
     norm = float(torch.linalg.vector_norm(w0))

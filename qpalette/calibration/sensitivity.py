@@ -14,31 +14,39 @@ Since the noise has err = t², fitting ΔLoss ≈ a_l · t² by least squares th
 a_l in the unit the planner needs (nats per unit of nmse).
 
 Cost: only the blocks from the perturbed one onward run (`calibration.evaluator`). The original
-weight is kept aside and copied back after the layer's levels, so nothing drifts. Layers are
-spread round-robin over every device given (`calibration.workers`); an interrupted run continues
-from its resume files (`calibration.resume`); the per-layer measurement is `calibration.noise`.
+weight is kept aside and copied back after the layer's levels, so nothing drifts. On several
+devices (`--device cuda:0,cuda:1`, or under torchrun) each holds a whole copy of the model in its
+own process of a torch.distributed group (`qpalette.distributed`) and the layers are dealt
+round-robin, one a round; a model too large for one device is split over them in one process
+instead (`calibration.placement`). Either way the coefficients are those of a one-device run. An
+interrupted run continues from its resume files (`calibration.resume`); the per-layer
+measurement is `calibration.noise`.
 """
 
 from __future__ import annotations
 
+import pickle
 import re
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from qpalette.calibration.data import load_text, sample_model, text_windows
-from qpalette.calibration.evaluator import linear_layers
-from qpalette.calibration.noise import Settings, fit_through_origin, noise_levels, run_layers
+from qpalette.calibration.evaluator import linear_layers, module_device
+from qpalette.calibration.noise import Settings, fit_through_origin, layer_deltas, noise_levels
+from qpalette.calibration.placement import Split, device_budgets, model_units, place
 from qpalette.calibration.resume import PartialRun
-from qpalette.calibration.workers import run_on_devices
 from qpalette.config import CalibrateConfig
 from qpalette.devices import DTYPE_NAMES, dtype_name, resolve_devices, resolve_dtype
+from qpalette.distributed import Group, finish, from_torchrun, solo, spawn, under_torchrun
 from qpalette.errors import CalibrationError, ModelError
-from qpalette.fileio import atomic_write_json, output_lock
+from qpalette.fileio import atomic_write_json, output_lock, read_json_object
 from qpalette.progress import progress_bar
 
 FORMAT = "qpalette.sensitivity/1"
@@ -60,6 +68,7 @@ class CalibrateOptions(CalibrateConfig):
     model: str
     output: Path
     devices: list[str] = field(default_factory=lambda: ["cpu"])  # "cpu", "cuda:0", ...; see parse_devices
+    max_memory: int | None = None  # bytes of weights a device may hold; beyond, the model is split over the devices
     resume: bool = False
     progress: bool = True
 
@@ -87,6 +96,8 @@ def check_options(opts: CalibrateOptions) -> None:
         raise CalibrationError(f"--dtype: {', '.join(DTYPE_NAMES)}")
     if not opts.devices:
         raise CalibrationError("no device to calibrate on")
+    if opts.max_memory is not None and opts.max_memory <= 0:
+        raise CalibrationError("--max-memory must be positive")
     if opts.layers:
         try:
             re.compile(opts.layers)
@@ -180,23 +191,50 @@ def auto_batch(seq_len: int, vocab: int, device: torch.device) -> int:
     return max(1, tokens // seq_len)
 
 
-def _timing(opts: CalibrateOptions, run: PartialRun, dtype: torch.dtype, batch: int,
-            sampling_s: float) -> dict:
-    tf32 = opts.dtype in ("tf32", "auto") and torch.device(opts.devices[0]).type == "cuda"
+def _timing(opts: CalibrateOptions, run: PartialRun, dtype: torch.dtype, batch: int, sampling_s: float,
+            devices: list[str], placement: str) -> dict:
+    tf32 = opts.dtype in ("tf32", "auto") and torch.device(devices[0]).type == "cuda"
     return {
-        "devices": opts.devices,
+        "devices": devices,
+        "placement": placement,
         "dtype": dtype_name(dtype) + ("/tf32" if tf32 else ""),
         "batch_size": batch,
         "sampling_s": round(run.timing_prev.get("sampling_s", 0.0) + sampling_s, 3),
     }
 
 
-def measure_layers(opts: CalibrateOptions, run: PartialRun, names: list[str], settings: Settings,
-                   shapes: dict[str, list[int]], model, model_dir: Path) -> float:
-    """Measure the layers of `names` not measured yet, on the first device with `model`, or (model
-    None) in one worker per device; every layer is fitted and saved in the resume file at once.
-    Returns the seconds taken."""
-    todo = [n for n in names if n not in run.layers]
+def measure_share(group: Group, model, tokens: torch.Tensor, todo: list[str], settings: Settings, device,
+                  record: Callable[[str, list[float], float], None] | None = None, bar=None) -> None:
+    """This rank's share of `todo`: every world-th layer from its rank on, so its layers come in
+    model order (its block cache only moves forward). One layer a round: after each round every
+    rank's (name, deltas, seconds) reaches `record` (given on rank 0) in `todo` order, and `bar`
+    (rank 0's, in evaluations) counts the other ranks at this one's pace."""
+    done = own = active = 0  # evaluations of the finished rounds; this rank's in this round; ranks in it
+
+    def show(n: int) -> None:
+        if bar is not None and n > bar.n:
+            bar.update(n - bar.n)
+
+    def tick() -> None:
+        nonlocal own
+        own += 1
+        show(done + own * active)
+
+    mine = todo[group.rank::group.world]
+    results = layer_deltas(model, tokens, mine, settings, device, tick) if mine else iter(())
+    for first in range(0, len(todo), group.world):
+        own, active = 0, min(group.world, len(todo) - first)
+        for got in group.gather(next(results, None)):
+            if got is not None and record is not None:
+                record(*got)
+        done += active * settings.levels
+        show(done)
+
+
+def measure_layers(group: Group, opts: CalibrateOptions, run: PartialRun, todo: list[str], n_layers: int,
+                   settings: Settings, shapes: dict[str, list[int]], model, device) -> float:
+    """Rank 0's part of the measurement: its share of `todo`, and every rank's layers fitted and
+    saved in the resume file as their round ends. Returns the seconds taken."""
     ts = noise_levels(opts.levels, opts.t_max)
 
     def record(name: str, dkl: list[float], seconds: float) -> None:
@@ -208,19 +246,14 @@ def measure_layers(opts: CalibrateOptions, run: PartialRun, names: list[str], se
     bar = progress_bar(len(todo) * opts.levels, "calibrate", "eval", opts.progress)
     t0 = time.perf_counter()
     try:
-        if todo and model is not None:
-            run_layers(model, run.tokens, todo, settings, opts.devices[0], report=record,
-                       tick=lambda: bar.update(1))
-        elif todo:
-            run_on_devices(opts.devices, model_dir, run.tokens_path, todo, settings, record,
-                           tick=lambda: bar.update(1))
+        measure_share(group, model, run.tokens, todo, settings, device, record, bar)
     except KeyboardInterrupt:
         raise CalibrationError(
-            f"interrupted: {len(run.layers)}/{len(names)} layers saved in {run.partial_path}; "
+            f"interrupted: {len(run.layers)}/{n_layers} layers saved in {run.partial_path}; "
             f"rerun with --resume to continue") from None
     except torch.cuda.OutOfMemoryError:
         raise CalibrationError(
-            f"out of GPU memory after {len(run.layers)}/{len(names)} layers (saved in {run.partial_path}): "
+            f"out of GPU memory after {len(run.layers)}/{n_layers} layers (saved in {run.partial_path}): "
             f"lower --batch-size (this run: {settings.batch_size} sequences a pass) and rerun with --resume "
             "(the batch size only sets how many sequences run at once)") from None
     finally:
@@ -247,26 +280,122 @@ def document(opts: CalibrateOptions, run: PartialRun, names: list[str], layers_s
             "layers": layers, "timing": timing}
 
 
-def calibrate(opts: CalibrateOptions, log: Callable[[str], None] = print) -> dict:
-    """Run (or resume) a calibration and write opts.output. Returns the written document.
+def calibrate(opts: CalibrateOptions, log: Callable[[str], None] = print) -> dict | None:
+    """Run (or resume) a calibration and write opts.output. Returns the written document (None on
+    the ranks other than 0 under torchrun).
 
     Check the options; take the output's lock (before loading the model: a second writer stops at
-    once); load the model; open (or resume) the run; build the evaluation set; measure the layers;
-    write the document."""
-    check_options(opts)
-    with output_lock(opts.output, "qpalette calibrate", CalibrationError):  # resume files too
-        return _calibrate(opts, log)
-
-
-def _calibrate(opts: CalibrateOptions, log: Callable[[str], None]) -> dict:
+    once; rank 0's under torchrun); decide where the model goes (`calibration.placement`): split
+    over the devices in this process when it does not fit one, else one process per device
+    (torch.distributed, `qpalette.distributed.spawn`; under torchrun, this process is one rank);
+    then `calibrate_rank`."""
     from qpalette.models.sources import resolve_model
+
+    check_options(opts)
+    if under_torchrun():
+        group = from_torchrun("cpu" if all(torch.device(d).type == "cpu" for d in opts.devices) else "cuda")
+        with output_lock(opts.output, "qpalette calibrate", CalibrationError) if group.main else nullcontext():
+            doc = calibrate_rank(group, opts, None, None, log)
+        finish(group)
+        return doc
+    with output_lock(opts.output, "qpalette calibrate", CalibrationError):
+        model_dir = resolve_model(opts.model)
+        devices = [torch.device(d) for d in opts.devices]
+        split = placement(opts, model_dir, devices)
+        if split is not None or len(devices) == 1:
+            return calibrate_rank(solo(devices[0]), opts, model_dir, split, log)
+        try:
+            spawn(calibrate_rank, devices, opts, model_dir, None, _picklable(log))
+        except KeyboardInterrupt:
+            raise CalibrationError(
+                f"interrupted: the layers measured so far are saved in {PartialRun.next_to(Path(opts.output)).partial_path}"
+                "; rerun with --resume to continue") from None
+        return read_json_object(opts.output, "sensitivity file", CalibrationError, FORMAT)
+
+
+def placement(opts: CalibrateOptions, model_dir: Path, devices: list[torch.device]) -> Split | None:
+    """None: a whole copy of the model on each device; else how it is split over them (a
+    CalibrationError, before anything is loaded, when it does not fit even so)."""
+    if opts.max_memory is None and all(d.type == "cpu" for d in devices):
+        return None  # no limit to check
+    dtype = resolve_dtype(opts.dtype, devices[0], auto_cuda="tf32")
+    try:
+        units = model_units(model_dir, dtype)
+    except ModelError as e:
+        raise CalibrationError(str(e)) from None
+    split = place(units, device_budgets(devices, opts.max_memory), [str(d) for d in devices])
+    if split is not None and len({d.type for d in devices}) > 1:
+        raise CalibrationError(f"the model does not fit one device and is split over {len(devices)}: "
+                               "give devices of one kind (cuda:0,cuda:1), not the CPU and GPUs together")
+    if split is not None:
+        try:
+            import accelerate  # noqa: F401 — transformers' device_map dispatches through it
+        except ImportError:
+            raise CalibrationError(
+                "the model does not fit one device: splitting it over several needs accelerate "
+                "(pip install accelerate, or qpalette[split])") from None
+    return split
+
+
+def _picklable(log: Callable[[str], None]) -> Callable[[str], None]:
+    """`log` for the spawned ranks: itself when it can be sent to them, else lines on stderr."""
+    try:
+        pickle.dumps(log)
+        return log
+    except Exception:  # noqa: BLE001 — a lambda, a closure, a bound method of something unpicklable
+        return _to_stderr
+
+
+def _to_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _model_dir(group: Group, model: str) -> Path:
+    """The model's local folder under torchrun: rank 0 fetches or converts it first, the other
+    ranks then find it (in their machine's cache; on another machine they fetch it themselves)."""
+    from qpalette.models.sources import resolve_model
+
+    model_dir = resolve_model(model) if group.main else None
+    group.broadcast(None)
+    return model_dir or resolve_model(model, quiet=True)
+
+
+def calibrate_rank(group: Group, opts: CalibrateOptions, model_dir: Path | None, split: Split | None,
+                   log: Callable[[str], None] = print) -> dict | None:
+    """One rank's part of a run (the whole run on one device, or on a model split over several):
+    rank 0 loads the model, opens (or resumes) the run, draws the evaluation set and hands the
+    tokens, the layers left and the settings to the other ranks, which load their own copies
+    meanwhile; every rank measures its share (`measure_share`); rank 0 records every layer and
+    writes the document, which it returns."""
     from qpalette.runtime.loading import load_model
 
     t_start = time.perf_counter()
-    model_dir = resolve_model(opts.model)
-    device = torch.device(opts.devices[0])
+    device = group.device
+    if model_dir is None:  # under torchrun: every process holds a whole copy
+        model_dir = _model_dir(group, opts.model)
+        try:
+            placement(opts, model_dir, [device])
+        except CalibrationError as e:
+            raise CalibrationError(f"{e} (under torchrun each process holds a whole copy: run without "
+                                   "torchrun, --device cuda:0,cuda:1, to split the model)") from None
     dtype = resolve_dtype(opts.dtype, device, auto_cuda="tf32")
-    model, tok = load_model(model_dir, device, dtype)
+    if not group.main:
+        model, _tok = load_model(model_dir, device, dtype, tokenizer=False)
+        tokens, todo, settings = group.broadcast(None)
+        group.gather(str(device))
+        try:
+            measure_share(group, model, tokens, todo, settings, device)
+        except KeyboardInterrupt:
+            raise CalibrationError("interrupted") from None
+        except torch.cuda.OutOfMemoryError:
+            raise CalibrationError(
+                f"out of GPU memory on {device}: lower --batch-size (this run: {settings.batch_size} sequences a "
+                f"pass) and rerun with --resume (the layers measured so far are saved in "
+                f"{PartialRun.next_to(Path(opts.output)).partial_path})") from None
+        return None
+
+    devices = [str(d) for d in opts.devices]
+    model, tok = load_model(model_dir, device, dtype, device_map=split.device_map(devices) if split else None)
     try:
         layers = linear_layers(model, opts.targets, opts.ignore)
     except ModelError as e:
@@ -282,13 +411,19 @@ def _calibrate(opts: CalibrateOptions, log: Callable[[str], None]) -> dict:
         run.start(header(opts, source, tokens.shape[0]), tokens)
     sampling_s = time.perf_counter() - t_data
 
-    batch = opts.batch_size or auto_batch(opts.seq_len, model.lm_head.out_features, device)
+    head = module_device(model.lm_head, device)  # where the logits are
+    batch = opts.batch_size or auto_batch(opts.seq_len, model.lm_head.out_features, head)
     settings = Settings(seed=opts.seed, levels=opts.levels, t_max=opts.t_max, batch_size=batch,
                         dtype=opts.dtype, directions=opts.directions, loss=loss_kind(opts))
-    run.timing = _timing(opts, run, dtype, batch, sampling_s)
-    if len(opts.devices) > 1:
-        model = None  # the workers load their own copies: free the first device for worker 0
-    layers_s = measure_layers(opts, run, names, settings, shapes, model, model_dir)
+    todo = [n for n in names if n not in run.layers]
+    group.broadcast((run.tokens, todo, settings))
+    ranks = group.gather(str(device))
+    if split is None:
+        devices, where = ranks, "one device" if group.world == 1 else "replicas"
+    else:
+        devices, where = [devices[d] for d in sorted(set(split.where))], "split"
+    run.timing = _timing(opts, run, dtype, batch, sampling_s, devices, where)
+    layers_s = measure_layers(group, opts, run, todo, len(names), settings, shapes, model, device)
 
     doc = document(opts, run, names, layers_s, time.perf_counter() - t_start)
     atomic_write_json(Path(opts.output), doc)

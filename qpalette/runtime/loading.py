@@ -20,10 +20,12 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-               *, tokenizer: bool = True):
+               *, tokenizer: bool = True, device_map: dict[str, str] | None = None):
     """(model in eval mode on `device`, tokenizer or None) from a local model directory, original or
     qpalette-compressed. A compressed model on CUDA runs one token first, so the codes are in the
-    kernels' layout and their tables exist before anything is compiled or captured."""
+    kernels' layout and their tables exist before anything is compiled or captured. `device_map`
+    (module name → device, covering the model) splits the model over several devices instead:
+    each module is loaded straight onto its device and accelerate's hooks move the activations."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from qpalette.runtime.hf_quantizer import register
@@ -35,12 +37,14 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     if _is_qpalette_folder(path):
         verify_checkpoint_files(path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype,
+                                                     **({"device_map": device_map} if device_map else {}))
     except (CheckpointError, ModelError):
         raise
     except Exception as e:  # noqa: BLE001 — transformers raises many kinds for an unusable folder
         raise ModelError(f"cannot load a causal LM from {path}: {str(e).splitlines()[0][:200]}") from None
-    model = unfuse_experts(model).to(device).eval()  # MoE experts as one layer each (a no-op if quantized)
+    model = unfuse_experts(model)  # MoE experts as one layer each (a no-op if quantized)
+    model = (model if device_map else model.to(device)).eval()
     if is_quantized(model) and device.type == "cuda":
         with torch.no_grad():
             model(torch.zeros(1, 1, dtype=torch.long, device=device))

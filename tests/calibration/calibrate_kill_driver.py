@@ -4,7 +4,8 @@
 
 POINT: `sampling` (while the evaluation set is drawn), `mid_layer` (inside a layer's noise
 levels), `between` (after the third layer is saved), `final` (everything measured, before the
-output file is written).
+output file is written); `rank1`, run under torchrun (two processes): rank 1 dies inside its
+second layer, in the second round.
 """
 
 from __future__ import annotations
@@ -34,8 +35,13 @@ def main(model: str, out: str, point: str) -> None:
             die()
         return real_sample(*args, **kw)
 
+    evals = {"n": 0}
+
     def mean_kl(self):
+        evals["n"] += 1
         if point == "mid_layer" and saves["n"] == 2:
+            die()
+        if point == "rank1" and os.environ.get("RANK") == "1" and evals["n"] == OPTIONS["levels"] + 3:
             die()
         return real_kl(self)
 

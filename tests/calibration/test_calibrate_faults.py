@@ -46,6 +46,26 @@ def test_sigkill_then_resume_gives_the_same_coefficients(tiny_llama_dir, whole, 
     assert not list(tmp_path.glob("*.partial*")) and not list(tmp_path.glob("*.lock"))
 
 
+def test_a_rank_killed_under_torchrun_leaves_the_finished_rounds_and_two_devices_resume(
+        tiny_llama_dir, whole, tmp_path):
+    """Two processes under torchrun; rank 1 is killed in the second round: rank 0 has saved the
+    first round's two layers, and a run on two devices (spawned) resumes to the coefficients of an
+    uninterrupted one-device run."""
+    out = tmp_path / "sens.json"
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(DRIVER), str(tiny_llama_dir), str(out), "rank1"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0 and not out.exists()
+    partial = json.loads((tmp_path / "sens.json.partial.json").read_text())
+    assert list(partial["layers"]) == list(whole["layers"])[:2]
+    doc = calibrate(CalibrateOptions(model=str(tiny_llama_dir), output=out, resume=True,
+                                     **{**OPTIONS, "devices": ["cpu", "cpu"]}), log=lambda m: None)
+    assert doc["timing"]["resumed"] is True and doc["timing"]["placement"] == "replicas"
+    assert measured(doc) == measured(whole)
+    assert not list(tmp_path.glob("*.partial*"))
+
+
 def test_gpu_out_of_memory_is_one_line_and_resumes(tiny_llama_dir, whole, tmp_path, monkeypatch):
     out, real, calls = tmp_path / "sens.json", noise.BlockEvaluator.mean_kl, {"n": 0}
 

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,13 +18,20 @@ from typer.testing import CliRunner
 
 import qpalette.calibration.noise as cal
 from qpalette.calibration.evaluator import BlockEvaluator, linear_layers
-from qpalette.calibration.noise import Settings, fit_through_origin, noise_direction, noise_levels, run_layers
+from qpalette.calibration.noise import (
+    Settings,
+    fit_through_origin,
+    layer_deltas,
+    noise_direction,
+    noise_levels,
+)
 from qpalette.calibration.sensitivity import CalibrateOptions, calibrate, parse_devices
 from qpalette.cli import app
 from qpalette.errors import CalibrationError, InputError
 from qpalette.runtime.loading import load_model
 
 WIKITEXT = shared_dir() / "data" / "wikitext2_raw_test.txt"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # --------------------------------------------------------------------------- the fit
@@ -90,9 +101,8 @@ def test_known_a_matches_second_order_theory(tiny_llama_dir, device):
     model, _ = load_model(tiny_llama_dir, device, torch.float64)
     tokens = _tokens(model.config.vocab_size, 2, 16)
     st = Settings(seed=3, levels=4, t_max=0.01, batch_size=2, dtype="float32")
-    got = {}
-    run_layers(model, tokens, [n for n, _m, _b in linear_layers(model)], st, device,
-               report=lambda n, d, s: got.__setitem__(n, fit_through_origin(noise_levels(4, 0.01), d)))
+    got = {n: fit_through_origin(noise_levels(4, 0.01), d)
+           for n, d, _s in layer_deltas(model, tokens, [n for n, _m, _b in linear_layers(model)], st, device)}
     assert len(got) == 15 and "lm_head" in got  # 2 blocks × 7 layers, and the head
     for k, (name, _m, _b) in enumerate(linear_layers(model)):
         eps = noise_direction(_m.weight.shape, 3, k, 0, device)
@@ -126,7 +136,8 @@ def test_block_cache_equals_full_forward_and_restore_is_exact(tiny_llama_dir, de
     with torch.no_grad():
         w.copy_(before["model.layers.1.mlp.up_proj.weight"])
     names = [n for n, _m, _b in linear_layers(model)]
-    run_layers(model, tokens, names, Settings(0, 16, 1.0, 2, "float32"), device, report=lambda *a: None)
+    for _ in layer_deltas(model, tokens, names, Settings(0, 16, 1.0, 2, "float32"), device):
+        pass
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
 
@@ -213,12 +224,43 @@ def test_text_shorter_than_a_window_is_a_clear_error(tiny_llama_dir, tmp_path):
         calibrate(_opts(tiny_llama_dir, tmp_path / "s.json", text_file=str(short)), log=lambda m: None)
 
 
-def test_two_cpu_workers_match_one(tiny_llama_dir, tmp_path):
+def _measured(doc: dict) -> dict:
+    """The document less what depends on the run's timing and devices (exactly equal across runs)."""
+    return {**{k: v for k, v in doc.items() if k != "timing"},
+            "layers": {n: {k: x for k, x in v.items() if k != "seconds"} for n, v in doc["layers"].items()}}
+
+
+def test_two_cpu_ranks_and_a_split_model_match_one_device(tiny_llama_dir, tmp_path):
+    """Two processes with a copy each (torch.distributed, gloo), and one process with the model
+    split over two devices (--max-memory below its 428 KB of weights), measure exactly what one
+    device measures: the same operations on the same numbers in the same order (each rank's block
+    cache advances through unperturbed, exactly restored blocks; the noise is seeded per layer)."""
     one = calibrate(_opts(tiny_llama_dir, tmp_path / "one.json"), log=lambda m: None)
     two = calibrate(_opts(tiny_llama_dir, tmp_path / "two.json", devices=["cpu", "cpu"]), log=lambda m: None)
-    assert list(two["layers"]) == list(one["layers"])
-    for n, v in one["layers"].items():
-        assert two["layers"][n]["a"] == pytest.approx(v["a"], rel=1e-4), n
+    split = calibrate(_opts(tiny_llama_dir, tmp_path / "split.json", devices=["cpu", "cpu"], max_memory=300_000),
+                      log=lambda m: None)
+    assert one["timing"]["placement"] == "one device"
+    for doc, placement in ((two, "replicas"), (split, "split")):
+        assert doc["timing"]["placement"] == placement and doc["timing"]["devices"] == ["cpu", "cpu"]
+        assert list(doc["layers"]) == list(one["layers"])
+        assert _measured(doc) == _measured(one)
+    assert json.loads((tmp_path / "two.json").read_text()) == two
+
+
+def test_torchrun_gives_the_layers_of_one_process(tiny_llama_dir, tmp_path):
+    out = tmp_path / "tr.json"
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "qpalette", "calibrate", str(tiny_llama_dir), "-o", str(out), "-n", "4",
+                          "--seq-len", "32", "--levels", "4", "--batch-size", "2", "--device", "cpu", "-q"],
+                         env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.count("15 layers") == 1  # rank 0 reports
+    doc = json.loads(out.read_text())
+    assert doc["timing"]["devices"] == ["cpu", "cpu"] and doc["timing"]["placement"] == "replicas"
+    one = calibrate(_opts(tiny_llama_dir, tmp_path / "one.json"), log=lambda m: None)
+    assert _measured(doc) == _measured(one)
+    assert not list(tmp_path.glob("*.partial*")) and not list(tmp_path.glob("*.lock"))
 
 
 def test_cli_runs_and_reports_errors(tiny_llama_dir, tmp_path):
@@ -243,6 +285,14 @@ def test_cli_runs_and_reports_errors(tiny_llama_dir, tmp_path):
         assert msg in r.output and "Traceback" not in r.output, (extra, r.output)
     r = runner.invoke(app, ["calibrate", str(tmp_path / "no_such_model"), "-o", str(tmp_path / "x.json")])
     assert r.exit_code == 2 and "no such file" in r.output
+    r = runner.invoke(app, ["calibrate", str(tiny_llama_dir), "--max-memory", "lots", "-q"])
+    assert r.exit_code == 2 and "bad --max-memory" in r.output
+    # a rank's user error (here rank 0's, in its own process) reaches the command as one line
+    (tmp_path / "x.json.partial.json").write_text("{}")
+    r = runner.invoke(app, ["calibrate", str(tiny_llama_dir), "-o", str(tmp_path / "x.json"), "--device", "cpu,cpu",
+                            "-q"])
+    assert r.exit_code == 2 and "an unfinished run exists" in r.output, r.output
+    assert "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1
 
 
 @pytest.mark.slow
