@@ -40,6 +40,7 @@ from qpalette.compression.source import SourceCheckpoint, half_dtype
 from qpalette.config import CompressConfig
 from qpalette.devices import resolve_device, resolve_devices
 from qpalette.distributed import Group, from_torchrun, solo, spawn, under_torchrun
+from qpalette.distributed import finish as leave_group
 from qpalette.errors import CompressError, ModelError
 from qpalette.fileio import atomic_write, atomic_write_json, output_lock, read_json_object
 from qpalette.models.topology import (
@@ -383,10 +384,10 @@ def compress(opts: CompressOptions, log: Callable[[str], None] = print) -> dict:
     a second run on the same OUT (two --resume runs included) stops at once."""
     if under_torchrun():
         group = from_torchrun(opts.device)
-        if not group.main:
-            return compress_rank(group, opts, log)
-        with output_lock(opts.output, "qpalette compress", CompressError):
-            return compress_rank(group, opts, log)
+        with output_lock(opts.output, "qpalette compress", CompressError) if group.main else contextlib.nullcontext():
+            report = compress_rank(group, opts, log)
+        leave_group(group)  # on success only: a failed rank is not waited for, torchrun's agent stops the others
+        return report
     devices = resolve_devices(opts.device) if "," in opts.device else [resolve_device(opts.device)]
     with output_lock(opts.output, "qpalette compress", CompressError):
         if len(devices) == 1:
