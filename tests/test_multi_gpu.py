@@ -10,7 +10,7 @@ import torch
 from helpers import run_compress
 from tiny_llama import make_tiny_llama
 
-from qpalette.generation import GREEDY, Decoder
+from qpalette.generation import Decoder, SamplingOptions
 
 pytestmark = pytest.mark.gpu
 
@@ -63,6 +63,6 @@ def test_a_model_split_over_two_gpus_runs_and_generates(compressed):
     hf = split.generate(ids, max_new_tokens=8, do_sample=False)
     assert torch.equal(hf.cpu(), whole.generate(ids, max_new_tokens=8, do_sample=False).cpu())
     dec = Decoder(split)
-    out = dec.generate_ids([ids[0].tolist()], 8, GREEDY, stop_at_eos=False)
+    out = dec.generate_ids([ids[0].tolist()], 8, SamplingOptions(), stop_at_eos=False)
     assert not out.graphs and out.tokens[0] == hf[0, 12:].tolist()
 
