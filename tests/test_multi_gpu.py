@@ -66,3 +66,14 @@ def test_a_model_split_over_two_gpus_runs_and_generates(compressed):
     out = dec.generate_ids([ids[0].tolist()], 8, SamplingOptions(), stop_at_eos=False)
     assert not out.graphs and out.tokens[0] == hf[0, 12:].tolist()
 
+
+
+def test_graphs_on_the_second_gpu(compressed):
+    """A model on cuda:1 (not the current device): the decoder captures its graphs there."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(compressed[0] / "two", dtype=torch.float16).to("cuda:1").eval()
+    prompt = list(range(1, 13))
+    graphed = Decoder(model).generate_ids([prompt], 12, SamplingOptions(), stop_at_eos=False)
+    eager = Decoder(model, graphs=False).generate_ids([prompt], 12, SamplingOptions(), stop_at_eos=False)
+    assert graphed.graphs and graphed.tokens == eager.tokens

@@ -17,6 +17,7 @@ gets the tokens it would get alone.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 import warnings
@@ -122,6 +123,11 @@ class Decoder:
                      stop_at_eos: bool = True) -> DecodeResult:
         """New tokens for each prompt. `on_tokens` gets, after each step as it is read back, one
         token per prompt (None once that prompt has finished)."""
+        # graphs capture and replay on the current device's streams: make it the model's (cuda:1 too)
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            return self._generate_ids(prompts, max_new_tokens, sampling, eos_ids, pad_id, on_tokens, stop_at_eos)
+
+    def _generate_ids(self, prompts, max_new_tokens, sampling, eos_ids, pad_id, on_tokens, stop_at_eos):
         state = self._batch_for(prompts, max_new_tokens)
         if len(eos_ids) > MAX_EOS:
             raise InputError(f"{len(eos_ids)} end-of-sequence ids: at most {MAX_EOS}")
