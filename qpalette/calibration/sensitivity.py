@@ -25,7 +25,6 @@ measurement is `calibration.noise`.
 
 from __future__ import annotations
 
-import pickle
 import re
 import statistics
 import sys
@@ -305,7 +304,7 @@ def calibrate(opts: CalibrateOptions, log: Callable[[str], None] = print) -> dic
         if split is not None or len(devices) == 1:
             return calibrate_rank(solo(devices[0]), opts, model_dir, split, log)
         try:
-            spawn(calibrate_rank, devices, opts, model_dir, None, _picklable(log))
+            spawn(calibrate_rank, devices, opts, model_dir, None, _to_stderr)  # a callable the ranks can import
         except KeyboardInterrupt:
             raise CalibrationError(
                 f"interrupted: the layers measured so far are saved in {PartialRun.next_to(Path(opts.output)).partial_path}"
@@ -337,15 +336,6 @@ def placement(opts: CalibrateOptions, model_dir: Path, devices: list[torch.devic
     return split
 
 
-def _picklable(log: Callable[[str], None]) -> Callable[[str], None]:
-    """`log` for the spawned ranks: itself when it can be sent to them, else lines on stderr."""
-    try:
-        pickle.dumps(log)
-        return log
-    except Exception:  # noqa: BLE001 — a lambda, a closure, a bound method of something unpicklable
-        return _to_stderr
-
-
 def _to_stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -358,6 +348,26 @@ def _model_dir(group: Group, model: str) -> Path:
     model_dir = resolve_model(model) if group.main else None
     group.broadcast(None)
     return model_dir or resolve_model(model, quiet=True)
+
+
+def _follow(group: Group, opts: CalibrateOptions, model_dir: Path, dtype: torch.dtype) -> None:
+    """A rank other than 0: load a copy, take the tokens, layers and settings rank 0 hands out,
+    measure this rank's share."""
+    from qpalette.runtime.loading import load_model
+
+    device = group.device
+    model, _tok = load_model(model_dir, device, dtype, tokenizer=False)
+    tokens, todo, settings = group.broadcast(None)
+    group.gather(str(device))
+    try:
+        measure_share(group, model, tokens, todo, settings, device)
+    except KeyboardInterrupt:
+        raise CalibrationError("interrupted") from None
+    except torch.cuda.OutOfMemoryError:
+        raise CalibrationError(
+            f"out of GPU memory on {device}: lower --batch-size (this run: {settings.batch_size} sequences a "
+            f"pass) and rerun with --resume (the layers measured so far are saved in "
+            f"{PartialRun.next_to(Path(opts.output)).partial_path})") from None
 
 
 def calibrate_rank(group: Group, opts: CalibrateOptions, model_dir: Path | None, split: Split | None,
@@ -380,19 +390,7 @@ def calibrate_rank(group: Group, opts: CalibrateOptions, model_dir: Path | None,
                                    "torchrun, --device cuda:0,cuda:1, to split the model)") from None
     dtype = resolve_dtype(opts.dtype, device, auto_cuda="tf32")
     if not group.main:
-        model, _tok = load_model(model_dir, device, dtype, tokenizer=False)
-        tokens, todo, settings = group.broadcast(None)
-        group.gather(str(device))
-        try:
-            measure_share(group, model, tokens, todo, settings, device)
-        except KeyboardInterrupt:
-            raise CalibrationError("interrupted") from None
-        except torch.cuda.OutOfMemoryError:
-            raise CalibrationError(
-                f"out of GPU memory on {device}: lower --batch-size (this run: {settings.batch_size} sequences a "
-                f"pass) and rerun with --resume (the layers measured so far are saved in "
-                f"{PartialRun.next_to(Path(opts.output)).partial_path})") from None
-        return None
+        return _follow(group, opts, model_dir, dtype)
 
     devices = [str(d) for d in opts.devices]
     model, tok = load_model(model_dir, device, dtype, device_map=split.device_map(devices) if split else None)
