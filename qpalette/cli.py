@@ -142,7 +142,7 @@ def calibrate(
         None, help="Data-aware: a `datasets` NAME[:CONFIG[:SPLIT]], e.g. wikitext:wikitext-2-raw-v1:test."
     ),
     text_file: Optional[Path] = typer.Option(None, "--text-file", help="Data-aware: a UTF-8 text file."),
-    levels: int = typer.Option(16, help="Noise levels t = i/levels, i = 1..levels."),
+    levels: int = typer.Option(CalibrateConfig.levels, help="Noise levels t = i/levels, i = 1..levels."),
     t_max: float = typer.Option(1.0, "--t-max", help="Largest noise level (noise norm / weight norm)."),
     directions: str = typer.Option(
         "shared", help="shared: one noise direction per layer scaled over the levels; fresh: one per level."

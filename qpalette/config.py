@@ -115,7 +115,7 @@ class CalibrateConfig(Config):
 
     num_seqs: int = 256  # evaluation sequences
     seq_len: int = 512  # tokens per sequence
-    levels: int = 16  # noise levels t = t_max·i/levels, i = 1..levels
+    levels: int = 4  # noise levels t = t_max·i/levels, i = 1..levels (4 fit a_l as 16 do: docs/method.md §4)
     t_max: float = 1.0  # the largest noise norm, relative to the weight's norm
     directions: str = "shared"  # shared: one noise direction per layer over the levels; fresh: one per level
     loss: str = "auto"  # auto: kl data-free, ce on text; kl; ce
