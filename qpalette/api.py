@@ -151,9 +151,10 @@ def describe_plan(plan, blocks_only: bool = False, layers: bool = True) -> str:
 def compress(model: str, plan_or_scheme: str | Path, out_dir: str | Path, config: CompressConfig | None = None, *,
              device: str = "auto", hessians: str | Path | None = None, resume: bool = False,
              overwrite: bool = False, quiet: bool = False, random_codes: bool = False, log: Log = _quiet,
-             **fields) -> dict:
+             **fields) -> dict | None:
     """Rotate and quantize `model` into a qpalette checkpoint in `out_dir`; returns the report
-    (also `out_dir`/qpalette-compress.json, which records the `CompressConfig` under "config").
+    (also `out_dir`/qpalette-compress.json, which records the `CompressConfig` under "config";
+    None on a torchrun rank other than 0). `device`: cuda:0,cuda:1 spreads the blocks over them.
 
     `plan_or_scheme`: a plan file from `plan`, or one palette entry for every layer ("tcq-3.0").
     `config`: a `CompressConfig`; `fields` (fuse, sign_seed, lm_head, damp, targets/ignore:

@@ -426,9 +426,7 @@ def compress(
     rep = api.compress(model, plan_file or scheme, output, config, device=device, hessians=hessians, resume=resume,
                        overwrite=overwrite, quiet=quiet, random_codes=random_codes,
                        log=lambda m: typer.echo(m, err=True))
-    from qpalette.distributed import secondary_rank
-
-    if secondary_rank():
+    if rep is None:  # a torchrun rank other than 0: rank 0 reports
         return
     by = rep["bytes"]
     say = _say(json_out)

@@ -79,11 +79,6 @@ def under_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "LOCAL_RANK" in os.environ
 
 
-def secondary_rank() -> bool:
-    """A rank other than 0 of a torchrun group: it leaves the printing to rank 0."""
-    return under_torchrun() and os.environ.get("RANK", "0") != "0"
-
-
 def from_torchrun(device_kind: str) -> Group:
     """The group torchrun started this process in; its device is cuda:LOCAL_RANK (or the CPU when
     `device_kind` is "cpu" or no GPU is visible)."""

@@ -375,8 +375,9 @@ def rank_record(job: Job, shards: int) -> dict:
             "shards": shards, "peak_gpu_bytes": torch.cuda.max_memory_allocated(job.device) if cuda else None}
 
 
-def compress(opts: CompressOptions, log: Callable[[str], None] = print) -> dict:
-    """Run (or resume) the whole compression; returns the report (also OUT/qpalette-compress.json).
+def compress(opts: CompressOptions, log: Callable[[str], None] = print) -> dict | None:
+    """Run (or resume) the whole compression; returns the report (also OUT/qpalette-compress.json;
+    None on a torchrun rank other than 0).
 
     `opts.device` with several devices (cuda:0,cuda:1; cpu,cpu) starts one process for each; under
     torchrun this process is one rank of the group torchrun made. The whole run holds OUT.lock
@@ -396,10 +397,10 @@ def compress(opts: CompressOptions, log: Callable[[str], None] = print) -> dict:
         return read_json_object(Path(opts.output) / REPORT_FILE, "compress report", CompressError)
 
 
-def compress_rank(group: Group, opts: CompressOptions, log: Callable[[str], None] = print) -> dict:
+def compress_rank(group: Group, opts: CompressOptions, log: Callable[[str], None] = print) -> dict | None:
     """One rank's part of the run (the whole run on one device): rank 0 opens OUT.partial, every
     rank writes its share of the missing shards, rank 0 gathers their records and finishes.
-    Returns the report (on every rank)."""
+    Returns the report on rank 0, None on the others."""
     job = prepare_job(opts, group)
     opened = open_partial(job, log) if group.main else None
     done, prior_s = group.broadcast(opened)
@@ -413,11 +414,11 @@ def compress_rank(group: Group, opts: CompressOptions, log: Callable[[str], None
     own = write_shards(job, done, prior_s)
     records = group.gather((own, rank_record(job, len(job.mine))))
     if not group.main:
-        return group.broadcast(None)
+        return None
     for shards, _ in records[1:]:
         done.update(shards)
     done.update(records[0][0])
     weight_map, totals = index_shards(job, done)
     report = make_report(job, totals, prior_s, [r for _, r in records])
     finish(job, weight_map, report)
-    return group.broadcast(report)
+    return report
