@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,7 +30,10 @@ import torch.distributed as dist
 from qpalette import errors
 from qpalette.errors import QpaletteError
 
-TIMEOUT = datetime.timedelta(hours=2)  # a rank may wait this long for a slower one (one big layer, one window)
+# How long a rank may wait for the others at one exchange: at compress's last one, a finished rank
+# waits for the slowest rank's whole share (hours of trellis coding on a CPU). A rank that dies does
+# not leave the others waiting: the spawning command's join and torchrun's agent stop them.
+TIMEOUT = datetime.timedelta(days=7)
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,22 @@ def solo(device: torch.device) -> Group:
     return Group(0, 1, device)
 
 
+def log_to_stderr(message: str) -> None:
+    """The log of a spawned rank (the caller's own function cannot be sent to another process)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def check_devices(devices: list[torch.device], error: type[QpaletteError]) -> None:
+    """Several devices must be of one kind and each named once (cuda:0,cuda:1; cpu,cpu)."""
+    if len(devices) < 2:
+        return
+    if len({d.type for d in devices}) > 1:
+        raise error(f"devices {','.join(map(str, devices))}: give devices of one kind (cuda:0,cuda:1 or cpu,cpu)")
+    cuda = [d for d in devices if d.type == "cuda"]
+    if any(d.index is None for d in cuda) or len({d.index for d in cuda}) < len(cuda):
+        raise error(f"devices {','.join(map(str, devices))}: name each GPU once, with its index (cuda:0,cuda:1)")
+
+
 def under_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "LOCAL_RANK" in os.environ
 
@@ -83,8 +103,11 @@ def from_torchrun(device_kind: str) -> Group:
     """The group torchrun started this process in; its device is cuda:LOCAL_RANK (or the CPU when
     `device_kind` is "cpu" or no GPU is visible)."""
     rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-    if device_kind != "cpu" and torch.cuda.is_available():
-        device = torch.device(f"cuda:{local % torch.cuda.device_count()}")
+    if not device_kind.startswith("cpu") and torch.cuda.is_available():
+        if local >= torch.cuda.device_count():
+            raise QpaletteError(f"torchrun started local rank {local}, but only {torch.cuda.device_count()} GPU(s) "
+                                "are visible: one process per GPU (--nproc-per-node)")
+        device = torch.device(f"cuda:{local}")
         torch.cuda.set_device(device)
         torch.cuda.init()
     else:
@@ -108,13 +131,14 @@ def spawn(fn: Callable, devices: list[torch.device], *args) -> None:
     `QpaletteError` raised on a rank is raised here (first rank first); anything else propagates
     as torch.multiprocessing's exception, with the rank's traceback."""
     import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException
 
     with tempfile.TemporaryDirectory(prefix="qpalette-group-") as tmp:
         store = Path(tmp) / "store"
         try:
             mp.spawn(_rank_main, args=(fn, [str(d) for d in devices], str(store), tmp, args),
                      nprocs=len(devices), join=True)
-        except mp.ProcessExitedException:
+        except ProcessException:  # the rank join saw first may only have lost its peer: the cause wins
             _raise_reported(Path(tmp), len(devices))
             raise
 

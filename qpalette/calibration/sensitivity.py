@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import re
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -43,7 +42,16 @@ from qpalette.calibration.placement import Split, device_budgets, model_units, p
 from qpalette.calibration.resume import PartialRun
 from qpalette.config import CalibrateConfig
 from qpalette.devices import DTYPE_NAMES, dtype_name, resolve_devices, resolve_dtype
-from qpalette.distributed import Group, finish, from_torchrun, solo, spawn, under_torchrun
+from qpalette.distributed import (
+    Group,
+    check_devices,
+    finish,
+    from_torchrun,
+    log_to_stderr,
+    solo,
+    spawn,
+    under_torchrun,
+)
 from qpalette.errors import CalibrationError, ModelError
 from qpalette.fileio import atomic_write_json, output_lock, read_json_object
 from qpalette.progress import progress_bar
@@ -300,11 +308,12 @@ def calibrate(opts: CalibrateOptions, log: Callable[[str], None] = print) -> dic
     with output_lock(opts.output, "qpalette calibrate", CalibrationError):
         model_dir = resolve_model(opts.model)
         devices = [torch.device(d) for d in opts.devices]
+        check_devices(devices, CalibrationError)
         split = placement(opts, model_dir, devices)
         if split is not None or len(devices) == 1:
             return calibrate_rank(solo(devices[0]), opts, model_dir, split, log)
         try:
-            spawn(calibrate_rank, devices, opts, model_dir, None, _to_stderr)  # a callable the ranks can import
+            spawn(calibrate_rank, devices, opts, model_dir, None, log_to_stderr)
         except KeyboardInterrupt:
             raise CalibrationError(
                 f"interrupted: the layers measured so far are saved in {PartialRun.next_to(Path(opts.output)).partial_path}"
@@ -334,10 +343,6 @@ def placement(opts: CalibrateOptions, model_dir: Path, devices: list[torch.devic
                 "the model does not fit one device: splitting it over several needs accelerate "
                 "(pip install accelerate, or qpalette[split])") from None
     return split
-
-
-def _to_stderr(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def _model_dir(group: Group, model: str) -> Path:

@@ -39,7 +39,15 @@ from qpalette.compression.layout import resolve_layout
 from qpalette.compression.source import SourceCheckpoint, half_dtype
 from qpalette.config import CompressConfig
 from qpalette.devices import resolve_device, resolve_devices
-from qpalette.distributed import Group, from_torchrun, solo, spawn, under_torchrun
+from qpalette.distributed import (
+    Group,
+    check_devices,
+    from_torchrun,
+    log_to_stderr,
+    solo,
+    spawn,
+    under_torchrun,
+)
 from qpalette.distributed import finish as leave_group
 from qpalette.errors import CompressError, ModelError
 from qpalette.fileio import atomic_write, atomic_write_json, output_lock, read_json_object
@@ -390,10 +398,11 @@ def compress(opts: CompressOptions, log: Callable[[str], None] = print) -> dict 
         leave_group(group)  # on success only: a failed rank is not waited for, torchrun's agent stops the others
         return report
     devices = resolve_devices(opts.device) if "," in opts.device else [resolve_device(opts.device)]
+    check_devices(devices, CompressError)
     with output_lock(opts.output, "qpalette compress", CompressError):
         if len(devices) == 1:
             return compress_rank(solo(devices[0]), opts, log)
-        spawn(compress_rank, devices, opts)
+        spawn(compress_rank, devices, opts, log_to_stderr)
         return read_json_object(Path(opts.output) / REPORT_FILE, "compress report", CompressError)
 
 
@@ -401,9 +410,21 @@ def compress_rank(group: Group, opts: CompressOptions, log: Callable[[str], None
     """One rank's part of the run (the whole run on one device): rank 0 opens OUT.partial, every
     rank writes its share of the missing shards, rank 0 gathers their records and finishes.
     Returns the report on rank 0, None on the others."""
+    if group.world > 1:  # rank 0 fetches or converts the model first; the others then find it in the cache
+        from qpalette.models.sources import resolve_model
+
+        if group.main:
+            try:
+                resolve_model(opts.model, quiet=opts.quiet)
+            except ModelError as e:
+                raise CompressError(str(e)) from None
+        group.broadcast(None)
     job = prepare_job(opts, group)
-    opened = open_partial(job, log) if group.main else None
-    done, prior_s = group.broadcast(opened)
+    if group.main:
+        done, prior_s = open_partial(job, log)
+        save_manifest(job, done, prior_s)  # the other ranks' records of earlier sessions, merged, before they restart theirs
+    done, prior_s, fingerprint = group.broadcast((done, prior_s, job.fingerprint) if group.main else None)
+    job.__dict__["fingerprint"] = fingerprint  # every progress file under rank 0's (source mtimes differ between machines)
     job.mine = group.share([i for i in range(job.n_shards) if shard_name(i, job.n_shards) not in done])
     if group.main and job.device.type == "cpu" and any(
             get_quantizer(q).family in ("tcq", "half-tcq") for q in job.layout.layers.values()):
@@ -418,6 +439,7 @@ def compress_rank(group: Group, opts: CompressOptions, log: Callable[[str], None
     for shards, _ in records[1:]:
         done.update(shards)
     done.update(records[0][0])
+    save_manifest(job, done, prior_s + time.time() - job.started)  # all of them in rank 0's, before `finish` drops the others
     weight_map, totals = index_shards(job, done)
     report = make_report(job, totals, prior_s, [r for _, r in records])
     finish(job, weight_map, report)
