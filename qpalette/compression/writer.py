@@ -406,6 +406,19 @@ def compress(opts: CompressOptions, log: Callable[[str], None] = print) -> dict 
         return read_json_object(Path(opts.output) / REPORT_FILE, "compress report", CompressError)
 
 
+@contextlib.contextmanager
+def exact_float32():
+    """Full-precision float32 matmuls while quantizing, whatever the process set before (calibrate
+    turns TF32 on for its whole process): the same bytes from a fresh process and from one that
+    calibrated first. The caller's settings come back after."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
 def compress_rank(group: Group, opts: CompressOptions, log: Callable[[str], None] = print) -> dict | None:
     """One rank's part of the run (the whole run on one device): rank 0 opens OUT.partial, every
     rank writes its share of the missing shards, rank 0 gathers their records and finishes.
@@ -432,7 +445,8 @@ def compress_rank(group: Group, opts: CompressOptions, log: Callable[[str], None
             "use a GPU (--device cuda) for real models")
     if job.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(job.device)
-    own = write_shards(job, done, prior_s)
+    with exact_float32():
+        own = write_shards(job, done, prior_s)
     records = group.gather((own, rank_record(job, len(job.mine))))
     if not group.main:
         return None

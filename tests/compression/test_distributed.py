@@ -74,3 +74,18 @@ def test_torchrun_ranks_write_the_one_device_checkpoint(three_blocks, tmp_path):
     assert_same_checkpoint(tmp_path / "one", tmp_path / "two")
     report = json.loads((tmp_path / "two" / "qpalette-compress.json").read_text())
     assert [r["shards"] for r in report["ranks"]] == [2, 2]
+
+
+def test_compress_turns_tf32_off_and_gives_it_back(three_blocks, tmp_path, monkeypatch):
+    """A process that calibrated first (TF32 on) writes the bytes of a fresh one: TF32 is off while
+    the shards are made, and the caller's setting is back afterwards."""
+    import torch
+
+    from qpalette.compression import writer
+
+    seen, real = [], writer.shard_tensors
+    monkeypatch.setattr(writer, "shard_tensors", lambda *a: (seen.append(torch.backends.cuda.matmul.allow_tf32),
+                                                             real(*a))[1])
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    run_compress(three_blocks, tmp_path / "q", scheme="nuq-3", device="cpu")
+    assert seen and not any(seen) and torch.backends.cuda.matmul.allow_tf32
