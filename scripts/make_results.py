@@ -33,6 +33,21 @@ def load(path: Path):
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def save_figure(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def perplexity_axes(ax, fp: dict | None, xlabel: str, title: str, legend_size: int) -> None:
+    """The perplexity-vs-bits plots' frame: the original's perplexity as a line, log scale, legend."""
+    if fp:
+        ax.axhline(fp["ppl"], color="gray", ls="--", label=f"original ({fp['ppl']:.2f})")
+    ax.set(xlabel=xlabel, ylabel="WikiText-2 perplexity", yscale="log", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=legend_size)
+
+
 def quality(sweep: dict, figdir: Path) -> list[str]:
     rows = sweep["rows"]
     fp = next((r for r in rows if r["kind"] == "original"), None)
@@ -55,15 +70,8 @@ def quality(sweep: dict, figdir: Path) -> list[str]:
     for r in rows:
         if r["kind"] == "rtn":
             ax.plot(r["avg_bits"], r["ppl"], "k*", ms=12, label=f"RTN 4-bit g128 ({r['avg_bits']:.2f} bits)")
-    if fp:
-        ax.axhline(fp["ppl"], color="gray", ls="--", label=f"original ({fp['ppl']:.2f})")
-    ax.set(xlabel="average bits per weight (quantized linear layers)", ylabel="WikiText-2 perplexity", yscale="log",
-           title="SmolLM2-135M-Instruct")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(figdir / "quality_smollm2.png", dpi=120)
-    plt.close(fig)
+    perplexity_axes(ax, fp, "average bits per weight (quantized linear layers)", "SmolLM2-135M-Instruct", 8)
+    save_figure(fig, figdir / "quality_smollm2.png")
     out += ["", "![perplexity vs bits](results/quality_smollm2.png)", ""]
     return out
 
@@ -98,9 +106,7 @@ def linearity(validation: dict | None, sweep: dict | None, figdir: Path) -> list
     ax.set(xlabel="predicted Δloss (nats/token)", ylabel="measured KL (nats/token)", xscale="log", yscale="log")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(figdir / "linearity_smollm2.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, figdir / "linearity_smollm2.png")
     return out + ["", "![predicted vs measured](results/linearity_smollm2.png)", ""]
 
 
@@ -135,9 +141,7 @@ def kernels(bench: dict, figdir: Path) -> list[str]:
         ax.set(xlabel="bits per weight", ylabel="µs per call (batch 1)", title=shape)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(figdir / "kernels_h100.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, figdir / "kernels_h100.png")
     out += ["![kernel time vs bits](results/kernels_h100.png)", "",
             "| shape | entry | b1 µs | b8 µs | FP16 b1 µs | speed-up b1 | roofline b1 |", "|---|---|---|---|---|---|---|"]
     for shape in shapes:
@@ -198,9 +202,7 @@ def speed(folder: Path, figdir: Path) -> list[str]:
     ax.set(ylabel="tok/s (batch 1)", title="Llama-3.1-8B shapes, H100, batch 1")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
-    fig.tight_layout()
-    fig.savefig(figdir / "decode_llama8b.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, figdir / "decode_llama8b.png")
     older = folder.parent / "speed_llama8b"  # the last breakdown measured (v1 kernels), until a newer one
     return out + ["", "![decode speed](results/decode_llama8b.png)", ""] + (
         breakdown(folder) or breakdown(older, f" — v1 kernels, `{older.relative_to(folder.parent.parent)}`"))
@@ -312,15 +314,9 @@ def data_aware_plot(rows: list[dict], fp: dict | None, figdir: Path) -> None:
         pts = [(r["bits"], r["ppl"]) for r in rows if r["kind"] == "peer" and r["method"] == method]
         if pts:
             ax.plot(*zip(*pts), mark, color=color, ms=10, ls="none", label=label)
-    if fp:
-        ax.axhline(fp["ppl"], color="gray", ls="--", label=f"original ({fp['ppl']:.2f})")
-    ax.set(xlabel="stored bits per weight (quantized layers)", ylabel="WikiText-2 perplexity", yscale="log",
-           title="SmolLM2-135M-Instruct: data-free, data-aware and peers")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(figdir / "data_aware_smollm2.png", dpi=120)
-    plt.close(fig)
+    perplexity_axes(ax, fp, "stored bits per weight (quantized layers)",
+                    "SmolLM2-135M-Instruct: data-free, data-aware and peers", 7)
+    save_figure(fig, figdir / "data_aware_smollm2.png")
 
 
 def data_aware_targets(folder: Path) -> list[str]:
