@@ -70,13 +70,29 @@ class Group:
         return items[self.rank * n // self.world:(self.rank + 1) * n // self.world]
 
 
-def solo(device: torch.device) -> Group:
-    """One device, CUDA's initialised on it (its memory statistics exist only then)."""
+def _claim(device: torch.device) -> torch.device:
+    """`device` made this process's current one, CUDA initialised on it (its memory statistics
+    exist only then); a bare "cuda" becomes the current GPU's index."""
     if device.type == "cuda":
         device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         torch.cuda.set_device(device)
         torch.cuda.init()
-    return Group(0, 1, device)
+    return device
+
+
+def solo(device: torch.device) -> Group:
+    """One device, the whole run."""
+    return Group(0, 1, _claim(device))
+
+
+def resolve_model_in_turn(group: Group, model: str, quiet: bool = False) -> Path:
+    """The model's local folder: rank 0 fetches or converts it first, the other ranks then find it
+    in their cache (on another machine, they fetch it themselves) — never several at once."""
+    from qpalette.models.sources import resolve_model
+
+    model_dir = resolve_model(model, quiet=quiet) if group.main else None
+    group.broadcast(None)
+    return model_dir or resolve_model(model, quiet=True)
 
 
 def log_to_stderr(message: str) -> None:
@@ -107,9 +123,7 @@ def from_torchrun(device_kind: str) -> Group:
         if local >= torch.cuda.device_count():
             raise QpaletteError(f"torchrun started local rank {local}, but only {torch.cuda.device_count()} GPU(s) "
                                 "are visible: one process per GPU (--nproc-per-node)")
-        device = torch.device(f"cuda:{local}")
-        torch.cuda.set_device(device)
-        torch.cuda.init()
+        device = _claim(torch.device(f"cuda:{local}"))
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
@@ -144,10 +158,7 @@ def spawn(fn: Callable, devices: list[torch.device], *args) -> None:
 
 
 def _rank_main(rank: int, fn: Callable, devices: list[str], store: str, tmp: str, args: tuple) -> None:
-    device = torch.device(devices[rank])
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        torch.cuda.init()
+    device = _claim(torch.device(devices[rank]))
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=len(devices),
                             timeout=TIMEOUT)
     try:

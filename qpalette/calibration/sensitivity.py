@@ -48,6 +48,7 @@ from qpalette.distributed import (
     finish,
     from_torchrun,
     log_to_stderr,
+    resolve_model_in_turn,
     solo,
     spawn,
     under_torchrun,
@@ -332,9 +333,6 @@ def placement(opts: CalibrateOptions, model_dir: Path, devices: list[torch.devic
     except ModelError as e:
         raise CalibrationError(str(e)) from None
     split = place(units, device_budgets(devices, opts.max_memory), [str(d) for d in devices])
-    if split is not None and len({d.type for d in devices}) > 1:
-        raise CalibrationError(f"the model does not fit one device and is split over {len(devices)}: "
-                               "give devices of one kind (cuda:0,cuda:1), not the CPU and GPUs together")
     if split is not None:
         try:
             import accelerate  # noqa: F401 — transformers' device_map dispatches through it
@@ -343,16 +341,6 @@ def placement(opts: CalibrateOptions, model_dir: Path, devices: list[torch.devic
                 "the model does not fit one device: splitting it over several needs accelerate "
                 "(pip install accelerate, or qpalette[split])") from None
     return split
-
-
-def _model_dir(group: Group, model: str) -> Path:
-    """The model's local folder under torchrun: rank 0 fetches or converts it first, the other
-    ranks then find it (in their machine's cache; on another machine they fetch it themselves)."""
-    from qpalette.models.sources import resolve_model
-
-    model_dir = resolve_model(model) if group.main else None
-    group.broadcast(None)
-    return model_dir or resolve_model(model, quiet=True)
 
 
 def _follow(group: Group, opts: CalibrateOptions, model_dir: Path, dtype: torch.dtype) -> None:
@@ -387,7 +375,7 @@ def calibrate_rank(group: Group, opts: CalibrateOptions, model_dir: Path | None,
     t_start = time.perf_counter()
     device = group.device
     if model_dir is None:  # under torchrun: every process holds a whole copy
-        model_dir = _model_dir(group, opts.model)
+        model_dir = resolve_model_in_turn(group, opts.model)
         try:
             placement(opts, model_dir, [device])
         except CalibrationError as e:

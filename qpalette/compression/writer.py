@@ -44,6 +44,7 @@ from qpalette.distributed import (
     check_devices,
     from_torchrun,
     log_to_stderr,
+    resolve_model_in_turn,
     solo,
     spawn,
     under_torchrun,
@@ -423,15 +424,11 @@ def compress_rank(group: Group, opts: CompressOptions, log: Callable[[str], None
     """One rank's part of the run (the whole run on one device): rank 0 opens OUT.partial, every
     rank writes its share of the missing shards, rank 0 gathers their records and finishes.
     Returns the report on rank 0, None on the others."""
-    if group.world > 1:  # rank 0 fetches or converts the model first; the others then find it in the cache
-        from qpalette.models.sources import resolve_model
-
-        if group.main:
-            try:
-                resolve_model(opts.model, quiet=opts.quiet)
-            except ModelError as e:
-                raise CompressError(str(e)) from None
-        group.broadcast(None)
+    if group.world > 1:  # never several ranks fetching or converting the model at once
+        try:
+            resolve_model_in_turn(group, opts.model, opts.quiet)
+        except ModelError as e:
+            raise CompressError(str(e)) from None
     job = prepare_job(opts, group)
     if group.main:
         done, prior_s = open_partial(job, log)
