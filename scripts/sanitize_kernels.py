@@ -8,7 +8,8 @@ cudaMalloc, so a read past a tensor's end leaves its allocation and memcheck see
 one palette entry of every decoder variant (TCQ with a one- and a two-lane halo, half-TCQ, NUQ,
 VQ), both 16-bit dtypes, batch 1 and 8 on the GEMV (a padded last lane group, a shape with more
 warps than groups, clusters of 8 CTAs) and batch 9 on the dequantize kernel, the rotation fused
-into the GEMV, and the Hadamard kernel; every result is also checked against the PyTorch reference.
+into the GEMV (inputs 4096, 1536 = 12·128 and 14336 = 28·512 over a cluster; batch 1 and 8), and
+the Hadamard kernel; every result is also checked against the PyTorch reference.
 Logs go to DIR/sanitize_<tool>.log; the exit code is 0 only when no tool reports anything in
 qpalette's kernels (reports in other libraries' kernels, e.g. racecheck on cuBLAS, are counted
 and shown, not failed on) and every sample result matches.
@@ -49,19 +50,33 @@ def sample() -> int:
                     x = torch.randn(m, cols, generator=gen).to(dtype).cuda()
                     y = ops.quantized_matmul(x, name, tensors, (rows, cols))
                     bad += _report(f"{name} {rows}x{cols} {dtype} m={m}", y, x.float() @ w.T)
-        rows, cols = 576, 4096  # the rotation inside the GEMV
-        stored = {k: v.cuda() for k, v in get_quantizer(name).random_tensors(rows, cols, gen).items()}
-        signs = pack_signs(random_signs(cols, 1)).cuda()
-        x = torch.randn(1, cols, generator=gen).half().cuda()
-        y = ops.rotated_matmul(x, signs, name, lanes.pack(name, stored), (rows, cols))
-        ref = rotate_input(x.float(), random_signs(cols, 1).cuda()) @ ops.dequantize(name, stored, (rows, cols)).T
-        bad += _report(f"{name} {rows}x{cols} rotated", y, ref)
+        for cols in (4096, 1536, 14336):  # the rotation inside the GEMV: 2^m, 12·128, 28·512 (a cluster)
+            bad += _rotated_sample(name, 576, cols, gen)
     x = torch.randn(8, 14336, generator=gen).half().cuda()
     signs = random_signs(14336, 2)
     y = ops.rotate(x, pack_signs(signs).cuda())
     bad += _report("hadamard 14336", y, rotate_input(x.float(), signs.cuda()))
     torch.cuda.synchronize()
     print(f"sample done: {bad} mismatches")
+    return bad
+
+
+def _rotated_sample(name: str, rows: int, cols: int, gen) -> int:
+    """rotated_matmul at batch 1 and 8 against rotate-then-multiply in the reference."""
+    import torch
+
+    from qpalette.quant.incoherence import pack_signs, random_signs, rotate_input
+    from qpalette.quant.palette import get_quantizer
+    from qpalette.runtime import lanes, ops
+
+    stored = {k: v.cuda() for k, v in get_quantizer(name).random_tensors(rows, cols, gen).items()}
+    signs = random_signs(cols, 1)
+    w = ops.dequantize(name, stored, (rows, cols))
+    bad = 0
+    for m in (1, 8):
+        x = torch.randn(m, cols, generator=gen).half().cuda()
+        y = ops.rotated_matmul(x, pack_signs(signs).cuda(), name, lanes.pack(name, stored), (rows, cols))
+        bad += _report(f"{name} {rows}x{cols} rotated m={m}", y, rotate_input(x.float(), signs.cuda()) @ w.T)
     return bad
 
 
