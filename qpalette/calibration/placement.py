@@ -12,6 +12,9 @@ memory: the rest is for the evaluator's caches (block inputs, reference log-prob
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,14 +87,35 @@ def model_units(model_dir: Path, dtype: torch.dtype) -> list[Unit]:
 def device_budgets(devices: list[torch.device], max_memory: int | None) -> list[int | None]:
     """Bytes of weights each device may hold: `max_memory`, and on a GPU at most WEIGHT_FRACTION
     of its free memory; None: no limit (a CPU without --max-memory)."""
+    gpus = [d for d in devices if d.type == "cuda"]
+    free = dict(zip(gpus, free_gpu_bytes(gpus))) if gpus else {}
     out = []
     for dev in devices:
         budget = max_memory
         if dev.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(dev)
-            budget = min(int(free * WEIGHT_FRACTION), budget if budget is not None else free)
+            budget = min(int(free[dev] * WEIGHT_FRACTION), budget if budget is not None else free[dev])
         out.append(budget)
     return out
+
+
+FREE_BYTES_CODE = "import json, sys, torch; print(json.dumps([torch.cuda.mem_get_info(int(i))[0] for i in sys.argv[1:]]))"
+
+
+def free_gpu_bytes(gpus: list[torch.device]) -> list[int]:
+    """Free memory of each GPU. With several GPUs and no CUDA context in this process yet, a
+    short-lived child process asks: cudaMemGetInfo would open a context on every GPU (about
+    0.5 GB each, measured on 2×H200) that this process, which only starts the ranks, would then
+    hold for the whole run. Where the child cannot answer, this process asks itself."""
+    if len(gpus) > 1 and not torch.cuda.is_initialized():
+        try:
+            res = subprocess.run([sys.executable, "-c", FREE_BYTES_CODE, *(str(d.index) for d in gpus)],
+                                 capture_output=True, text=True, timeout=300, check=True)
+            free = json.loads(res.stdout.strip().splitlines()[-1])
+            if len(free) == len(gpus):
+                return [int(f) for f in free]
+        except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+            pass
+    return [torch.cuda.mem_get_info(d)[0] for d in gpus]
 
 
 def gib(n: int) -> str:

@@ -125,3 +125,43 @@ def test_too_little_memory_is_refused_before_loading(tiny_llama_dir, tmp_path, m
         calibrate(_opts(tiny_llama_dir, tmp_path / "s.json", devices=["cpu", "cpu"], max_memory=100_000),
                   log=lambda m: None)
     assert not list(tmp_path.iterdir())
+
+
+def _no_context_here(monkeypatch):
+    """A process without a CUDA context, where asking cudaMemGetInfo itself fails the test."""
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: pytest.fail("this process opened a CUDA context"))
+
+
+def test_several_gpus_are_measured_by_a_child_process(monkeypatch):
+    """The spawning process must not hold a CUDA context on every GPU: free memory of several GPUs
+    comes from a short-lived child."""
+    import subprocess
+
+    import qpalette.calibration.placement as placement
+
+    _no_context_here(monkeypatch)
+    asked = []
+
+    def child(cmd, **kw):
+        asked.append(cmd[3:])
+        return subprocess.CompletedProcess(cmd, 0, stdout=f"[{8 * GiB}, {4 * GiB}]\n", stderr="")
+
+    monkeypatch.setattr(placement.subprocess, "run", child)
+    gpus = [torch.device("cuda:0"), torch.device("cuda:1")]
+    assert placement.device_budgets(gpus, None) == [6 * GiB, 3 * GiB]  # WEIGHT_FRACTION of free
+    assert placement.device_budgets(gpus, 5 * GiB) == [5 * GiB, 3 * GiB]
+    assert asked == [["0", "1"], ["0", "1"]]
+
+
+def test_a_child_that_cannot_answer_falls_back_to_this_process(monkeypatch):
+    import subprocess
+
+    import qpalette.calibration.placement as placement
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (2 * GiB, 80 * GiB))
+    monkeypatch.setattr(placement.subprocess, "run",
+                        lambda cmd, **kw: (_ for _ in ()).throw(subprocess.CalledProcessError(1, cmd)))
+    assert placement.device_budgets([torch.device("cuda:0"), torch.device("cuda:1")], None) == [
+        int(1.5 * GiB), int(1.5 * GiB)]
