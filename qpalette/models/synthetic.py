@@ -37,8 +37,10 @@ from qpalette.errors import InputError
 from qpalette.fileio import folder_written_whole
 from qpalette.quant.codebooks import profiles_dir
 
-CONFIGS = {"llama-3.1-8b": ("reference", "llama31_8b", "config.json")}  # under the shipped profiles/
-CONFIG_ALIASES = {"llama31-8b": "llama-3.1-8b", "llama3.1-8b": "llama-3.1-8b", "llama-3-8b": "llama-3.1-8b"}
+CONFIGS = {"llama-3.1-8b": ("reference", "llama31_8b", "config.json"),  # under the shipped profiles/
+           "qwen3-30b-a3b": ("reference", "qwen3_30b_a3b", "config.json")}  # MoE: 128 experts, top 8
+CONFIG_ALIASES = {"llama31-8b": "llama-3.1-8b", "llama3.1-8b": "llama-3.1-8b", "llama-3-8b": "llama-3.1-8b",
+                  "qwen3-moe": "qwen3-30b-a3b"}
 # What the shapes-only reference config leaves out (the public Llama-3.1-8B config.json values).
 LLAMA31_8B_EXTRA = {
     "max_position_embeddings": 131072,
@@ -100,12 +102,15 @@ def build_config(d: dict, layers: int | None):
 
 
 def tensor_specs(cfg) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of every parameter the checkpoint stores, in model order (tied lm_head left out)."""
+    """(name, shape) of every parameter the checkpoint stores, in model order (tied lm_head left out);
+    MoE experts one matrix per expert and projection, as the published checkpoints store them."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    from qpalette.models.experts import unfuse_experts
+
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
+        model = unfuse_experts(AutoModelForCausalLM.from_config(cfg))
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
     out = []
     for name, p in model.named_parameters(remove_duplicate=False):

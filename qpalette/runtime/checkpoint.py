@@ -33,6 +33,7 @@ from qpalette.models.topology import (
 )
 from qpalette.quant.incoherence import unpack_signs, unrotate_weight
 from qpalette.quant.palette import get_quantizer
+from qpalette.runtime import experts as grouped_experts
 from qpalette.runtime.modules import (
     Codebooks,
     FusedSlice,
@@ -177,6 +178,7 @@ def convert_model(model: nn.Module, layout: Layout, dtype: torch.dtype | None = 
             parents.add(parent)
     for parent in parents:
         install_cache_reset(_get(model, parent))
+    grouped_experts.install(model)
     model.register_module(CODEBOOKS_MODULE, Codebooks(layout.codebooks))
     return model
 
@@ -201,6 +203,7 @@ def simulated_weights(model: nn.Module, layout: Layout) -> dict[str, torch.Tenso
 def dequantize_model(model: nn.Module, layout: Layout, dtype: torch.dtype) -> nn.Module:
     """Back to plain nn.Linear layers holding the simulated weights (in place)."""
     weights = simulated_weights(model, layout)
+    grouped_experts.uninstall(model)
     for name, w in weights.items():
         gname = layout.group_of(name)
         src = _get(model, gname or name)

@@ -64,6 +64,19 @@ def quantized_matmul_reference(
     return (x_rot.float() @ w.T).to(x_rot.dtype)
 
 
+def expert_matmul_reference(x: torch.Tensor, x_rows: torch.Tensor, members: torch.Tensor,
+                            member_tensors: list[tuple], quantizer: str, out_features: int) -> torch.Tensor:
+    """Row v = H(s_j ⊙ x[x_rows[v]]) · W_jᵀ for j = members[v] (zeros where j < 0); member j's
+    (codes, codes_b, row_scale, signs) runtime tensors in `member_tensors[j]`. Every member on
+    every row, kept where it is the row's member: no host readback, like the kernel."""
+    xs = x[x_rows]
+    y = xs.new_zeros((x_rows.shape[0], out_features))
+    for j, (codes, codes_b, row_scale, signs) in enumerate(member_tensors):
+        yj = _qmm_reference(rotate_reference(xs, signs), codes, codes_b, row_scale, quantizer, out_features)
+        y = torch.where((members == j)[:, None], yj, y)
+    return y
+
+
 # ---- the public calls ---------------------------------------------------------------------------
 
 def code_tensors(quantizer: str, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -147,7 +160,8 @@ def _kernel_dtype(x: torch.Tensor) -> bool:
     return False
 
 
-def _use_kernels(x: torch.Tensor) -> bool:
+def uses_kernels(x: torch.Tensor) -> bool:
+    """Whether the CUDA ops run the kernels for activations like x."""
     return x.is_cuda and x.dtype in KERNEL_DTYPES and _kernels_ok()
 
 
@@ -157,7 +171,7 @@ def prepare(x: torch.Tensor, quantizer: str | None = None) -> None:
     ("tensors in the cudagraph pool not tracked as outputs"). The layers call this on every eager
     call (a few dict lookups); compiled regions skip it. `quantizer` is a canonical palette name
     (a layer's `quantizer.name`)."""
-    if torch.compiler.is_compiling() or not _use_kernels(x):
+    if torch.compiler.is_compiling() or not uses_kernels(x):
         return
     if quantizer is not None:
         lut(quantizer, x.dtype, x.device)
@@ -414,6 +428,32 @@ def _(x, signs, codes, codes_b, row_scale, quantizer, out_features):
 @_rotated_qmm_op.register_fake
 def _(x, signs, codes, codes_b, row_scale, quantizer, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
+
+
+# MoE experts (runtime/experts.py): the kernel reads each slot's member and that member's tensors
+# through `table` (device addresses, (members, 4) int64); codes … signs are member 0's, for shapes.
+# CUDA only: other devices run expert_matmul_reference on the tensors themselves.
+@torch.library.custom_op("qpalette::expert_matmul", mutates_args=(), device_types="cuda")
+def expert_matmul(x: torch.Tensor, x_rows: torch.Tensor, members: torch.Tensor, table: torch.Tensor,
+                  codes: torch.Tensor, codes_b: Optional[torch.Tensor], row_scale: torch.Tensor,
+                  signs: torch.Tensor, quantizer: str, out_features: int) -> torch.Tensor:
+    dev = x.device
+    spec = kernel_spec(quantizer)
+    k = decompose(x.shape[1])[0]
+    hk = _hadamard_row_masks(k, dev) if k > 1 else None
+    ext = kernel_build.extension(dev)
+    with torch.cuda.device(dev):
+        y = ext.gemv_experts(x, x_rows, members, table, codes, codes_b, row_scale, lut(quantizer, x.dtype, dev),
+                             ext.FAMILY_CODES[spec.family], spec.p0, spec.p1, out_features, _stream(dev),
+                             _num_sms(dev), _pdl(), signs, hk, k)
+    if y is None:
+        raise UnsupportedShape(f"the expert GEMV cannot split {out_features}x{x.shape[1]} ({quantizer})")
+    return y
+
+
+@expert_matmul.register_fake
+def _(x, x_rows, members, table, codes, codes_b, row_scale, signs, quantizer, out_features):
+    return x.new_empty((members.shape[0], out_features))
 
 
 # ---- backward: gradients to the activations (the quantized weights are frozen) --------------------

@@ -92,3 +92,26 @@ def test_llama31_8b_layout_and_cli(syn, tiny_config, tmp_path, capsys):
     assert (tmp_path / "o" / "model.safetensors").is_file() and (tmp_path / "o" / "tokenizer.json").is_file()
     assert syn.main([str(tmp_path / "o"), "--config", str(tiny_config), "--layers", "2", "--force"]) == 0
     assert json.loads((tmp_path / "o" / "config.json").read_text())["num_hidden_layers"] == 2
+
+
+def test_moe_checkpoint_stores_one_matrix_per_expert_and_compresses(syn, tmp_path):
+    """The shipped Qwen3-30B-A3B shapes, scaled down: per-expert tensors as the published checkpoints
+    store them, which transformers loads into its fused experts and qpalette compresses."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    import qpalette
+
+    cfg, _ = syn.load_config_dict("qwen3-moe")
+    assert (cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]) == (128, 8, 768)
+    cfg.update(hidden_size=256, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2, vocab_size=320, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=64, bos_token_id=None, eos_token_id=None)
+    (tmp_path / "c.json").write_text(json.dumps(cfg))
+    out = syn.make_synthetic_model(tmp_path / "m", str(tmp_path / "c.json"), layers=1, log=lambda m: None)
+    stored = load_file(out / "model.safetensors")
+    assert stored["model.layers.0.mlp.experts.3.down_proj.weight"].shape == (256, 128)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert torch.equal(model.model.layers[0].mlp.experts.down_proj[3], stored["model.layers.0.mlp.experts.3.down_proj.weight"])
+    qpalette.compress(str(out), "nuq-4", tmp_path / "q", quiet=True)
+    q, _ = qpalette.load_model(tmp_path / "q", tokenizer=False)
+    assert "model.layers.0.mlp.experts.3.down_proj" in q.config.quantization_config.layers

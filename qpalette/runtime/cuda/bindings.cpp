@@ -51,23 +51,28 @@ qp::Codes codes_of(const at::Tensor& a, const c10::optional<at::Tensor>& b, int6
   return c;
 }
 
-// y (m, rows) = x (m, cols) · W_rᵀ, m ≤ 8 (with `signs`: x rotated first, H(s ⊙ x), H = H_K ⊗
-// H_{cols/K}, `hk_neg` = H_K's rows as 64-bit masks of its −1 entries, rot_k = K); returns an
-// undefined tensor when the GEMV cannot take this shape (the caller then rotates / dequantizes).
-at::Tensor gemv(const at::Tensor& x, const at::Tensor& codes_a, const c10::optional<at::Tensor>& codes_b,
-                const at::Tensor& row_scale, const at::Tensor& lut, int64_t family, int64_t p0, int64_t p1,
-                int64_t rows, int64_t stream, int64_t num_sms, bool pdl,
-                const c10::optional<at::Tensor>& signs, const c10::optional<at::Tensor>& hk_neg, int64_t rot_k) {
-  check_cuda(x, "x");
+// The launch behind gemv and gemv_experts, into `y`; with the expert tensors, x is the first token
+// row of gemv_experts' x (its stride is the row stride) and y holds every slot.
+at::Tensor launch_gemv(const at::Tensor& x, const at::Tensor& codes_a, const c10::optional<at::Tensor>& codes_b,
+                       const at::Tensor& row_scale, const at::Tensor& lut, int64_t family, int64_t p0, int64_t p1,
+                       int64_t rows, int64_t stream, int64_t num_sms, bool pdl,
+                       const c10::optional<at::Tensor>& signs, const c10::optional<at::Tensor>& hk_neg,
+                       int64_t rot_k, at::Tensor y, const at::Tensor* experts, const at::Tensor* members,
+                       const at::Tensor* x_rows) {
   check_cuda(row_scale, "row_scale");
   check_cuda(lut, "lut");
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 8, "x must be (m ≤ 8, in)");
   TORCH_CHECK(row_scale.scalar_type() == at::kHalf && row_scale.numel() == rows, "row_scale: fp16 (rows,)");
-  auto y = at::empty({x.size(0), rows}, x.options());
   qp::GemvArgs a{};
+  if (experts) {
+    a.experts = experts->data_ptr();
+    a.members = members->data_ptr();
+    a.x_rows = x_rows->data_ptr();
+    a.slots = static_cast<int>(members->size(0));
+  }
   a.codes = codes_of(codes_a, codes_b, family, rows, x.size(1));
   a.x = x.data_ptr();
-  a.ldx = x.size(1);
+  a.ldx = x.stride(0);
   if (signs.has_value()) {
     check_cuda(*signs, "signs");
     TORCH_CHECK(signs->scalar_type() == at::kByte && signs->numel() * 8 == x.size(1), "signs must be uint8 (in/8,)");
@@ -93,6 +98,44 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& codes_a, const c10::optio
   if (rc == qp::UNSUPPORTED) return at::Tensor();
   check(rc, "qpalette quantized GEMV");
   return y;
+}
+
+// y (m, rows) = x (m, cols) · W_rᵀ, m ≤ 8 (with `signs`: x rotated first, H(s ⊙ x), H = H_K ⊗
+// H_{cols/K}, `hk_neg` = H_K's rows as 64-bit masks of its −1 entries, rot_k = K); returns an
+// undefined tensor when the GEMV cannot take this shape (the caller then rotates / dequantizes).
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& codes_a, const c10::optional<at::Tensor>& codes_b,
+                const at::Tensor& row_scale, const at::Tensor& lut, int64_t family, int64_t p0, int64_t p1,
+                int64_t rows, int64_t stream, int64_t num_sms, bool pdl,
+                const c10::optional<at::Tensor>& signs, const c10::optional<at::Tensor>& hk_neg, int64_t rot_k) {
+  check_cuda(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.stride(0) == x.size(1), "x must be contiguous (m, in)");
+  return launch_gemv(x, codes_a, codes_b, row_scale, lut, family, p0, p1, rows, stream, num_sms, pdl, signs,
+                     hk_neg, rot_k, at::empty({x.size(0), rows}, x.options()), nullptr, nullptr, nullptr);
+}
+
+// MoE experts in one launch: y (slots, rows), row v = x[x_rows[v]] · W_{members[v]}ᵀ (zeros where
+// members[v] < 0), member j's tensors at the addresses experts[j] = (codes_a, codes_b, row_scale,
+// signs); codes_a … signs are member 0's (shapes and entry, checked like gemv's). Undefined result:
+// shape not supported.
+at::Tensor gemv_experts(const at::Tensor& x, const at::Tensor& x_rows, const at::Tensor& members,
+                        const at::Tensor& experts, const at::Tensor& codes_a,
+                        const c10::optional<at::Tensor>& codes_b, const at::Tensor& row_scale,
+                        const at::Tensor& lut, int64_t family, int64_t p0, int64_t p1, int64_t rows,
+                        int64_t stream, int64_t num_sms, bool pdl, const c10::optional<at::Tensor>& signs,
+                        const c10::optional<at::Tensor>& hk_neg, int64_t rot_k) {
+  for (const auto* t : {&x_rows, &members, &experts}) {
+    check_cuda(*t, "expert index");
+    TORCH_CHECK(t->scalar_type() == at::kLong, "expert indices and addresses must be int64");
+  }
+  TORCH_CHECK(x_rows.dim() == 1 && members.sizes() == x_rows.sizes(), "x_rows and members: (slots,)");
+  TORCH_CHECK(experts.dim() == 2 && experts.size(1) == 4 && experts.size(0) >= 1, "experts: (members, 4)");
+  TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.size(0) >= 1 && x.stride(1) == 1, "x must be a CUDA (tokens, in) tensor with unit column stride");
+  const int64_t slots = members.size(0);
+  auto y = at::empty({slots, rows}, x.options());
+  if (slots == 0) return y;
+  auto one = launch_gemv(x.narrow(0, 0, 1), codes_a, codes_b, row_scale, lut, family, p0, p1, rows, stream,
+                         num_sms, pdl, signs, hk_neg, rot_k, y, &experts, &members, &x_rows);
+  return one.defined() ? y : one;
 }
 
 at::Tensor dequant(const at::Tensor& codes_a, const c10::optional<at::Tensor>& codes_b,
@@ -148,6 +191,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   families["half-tcq"] = static_cast<int>(qp::HALF_TCQ);
   m.attr("FAMILY_CODES") = families;
   m.def("gemv", &gemv, "fused dequantize + matmul, batch ≤ 8 (undefined result: shape not supported)");
+  m.def("gemv_experts", &gemv_experts, "MoE experts' GEMVs in one launch (undefined result: shape not supported)");
   m.def("dequant", &dequant, "dequantize to a dense matrix");
   m.def("hadamard", &hadamard, "y = H(s ⊙ x) over rows");
 }

@@ -88,6 +88,10 @@ struct GemvParams {
   const unsigned long long* hk_neg;  // H_K by rows, bit a of row j set ⇔ H_K[j, a] = −1 (K ≤ 64); nullptr when K = 1
   int rot_k, log2p2;
   float rot_scale;     // 1/√n
+  // expert launch (GemvArgs): blockIdx.y = slot v, y row v ← x row x_rows[v] · W_{members[v]}ᵀ
+  const long long* experts;  // (members, 4): codes_a, codes_b, row_scale, signs addresses; nullptr: one matrix
+  const long long* members;
+  const long long* x_rows;
 };
 
 
@@ -308,7 +312,7 @@ __device__ __forceinline__ void stage_x_rotated(const GemvParams& p, uint32_t* x
 }
 
 template <class DA, class DB, class T>
-__global__ void __launch_bounds__(MAX_WARPS * 32, 1) gemv_kernel(const GemvParams p) {
+__device__ __forceinline__ void gemv_body(const GemvParams& p) {
   using PR = Pair<DA, DB>;
   using L = typename PR::L;
   constexpr int RR = PR::RR, WMAX = PR::WMAX;
@@ -457,6 +461,42 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, 1) gemv_kernel(const GemvParam
   }
 }
 
+// One slot of an expert launch: this CTA's row range of y row v from member j's matrix, or zeros
+// when the slot's expert is not one of this launch's members (j < 0). The members and x rows are
+// written by earlier kernels (the router), so they are read after griddepcontrol.wait; the body's
+// own wait is then a no-op.
+template <class DA, class DB, class T>
+__device__ __forceinline__ void gemv_expert_slot(const GemvParams& p) {
+  pdl_wait();
+  const int v = blockIdx.y;
+  const long long j = p.members[v];
+  GemvParams q = p;
+  q.y = p.y + static_cast<size_t>(v) * p.ldy * sizeof(T);
+  if (j < 0) {
+    if (p.cs > 1 && cluster_rank() != 0) return;
+    const int cl = blockIdx.x / p.cs;
+    const int r0 = static_cast<int>(static_cast<long long>(cl) * p.rt / p.ncl) * 16;
+    const int r1 = static_cast<int>(static_cast<long long>(cl + 1) * p.rt / p.ncl) * 16;
+    T* y = reinterpret_cast<T*>(q.y);
+    for (int r = r0 + threadIdx.x; r < r1; r += blockDim.x) y[r] = Act<T>::from_float(0.f);
+    return;
+  }
+  const long long* e = p.experts + 4 * j;
+  q.seg[0].codes = reinterpret_cast<const uint4*>(e[0]);
+  q.seg[1].codes = e[1] ? reinterpret_cast<const uint4*>(e[1]) : q.seg[0].codes;
+  q.row_scale = reinterpret_cast<const __half*>(e[2]);
+  q.signs = p.signs ? reinterpret_cast<const uint8_t*>(e[3]) : nullptr;
+  q.x = p.x + static_cast<size_t>(p.x_rows[v]) * p.ldx * sizeof(T);
+  q.m = 1;
+  gemv_body<DA, DB, T>(q);
+}
+
+template <class DA, class DB, class T>
+__global__ void __launch_bounds__(MAX_WARPS * 32, 1) gemv_kernel(const GemvParams p) {
+  if (p.members) gemv_expert_slot<DA, DB, T>(p);
+  else gemv_body<DA, DB, T>(p);
+}
+
 // ---- dequantize: one warp a block (grid-stride), W_r = decode ⊙ row_scale in dtype ----------------
 
 struct DequantParams {
@@ -585,7 +625,9 @@ int launch_gemv(const GemvArgs& a) {
   segments(a.codes, p.seg);
   const int gtot = p.seg[0].cg + p.seg[1].cg;
   p.rt = a.rows / 16;
-  if (p.rt == 0 || a.m == 0) return OK;
+  const int nslot = a.members ? a.slots : 1;
+  if (p.rt == 0 || a.m == 0 || nslot == 0) return OK;
+  if (a.members && a.m != 1) return UNSUPPORTED;
   // the smallest K split (1 CTA, or clusters of 2, 4, 8 on Hopper) whose warps and shared memory fit
   int cs = 0, nw = 0, cgc = 0;
   size_t smem = 0;
@@ -628,7 +670,8 @@ int launch_gemv(const GemvArgs& a) {
   cfg.gridDim = dim3(cs);  // the occupancy query wants a whole cluster
   int slots = 0;
   if (int e = resident(kern, cfg, cs, a.num_sms, dev.index, slots)) return e;
-  p.ncl = p.rt < slots ? p.rt : slots;
+  const int per_slot = slots / nslot > 0 ? slots / nslot : 1;  // an expert launch shares the SMs among its slots
+  p.ncl = p.rt < per_slot ? p.rt : per_slot;
   p.cs = cs;
   p.cgc = cgc;
   p.nw = nw;
@@ -644,7 +687,10 @@ int launch_gemv(const GemvArgs& a) {
   p.rot_k = a.rot_k;
   p.log2p2 = rotate ? __builtin_ctz(p2) : 0;
   p.rot_scale = rotate ? 1.0f / sqrtf(static_cast<float>(a.cols)) : 1.0f;
-  cfg.gridDim = dim3(p.ncl * cs);
+  p.experts = static_cast<const long long*>(a.experts);
+  p.members = static_cast<const long long*>(a.members);
+  p.x_rows = static_cast<const long long*>(a.x_rows);
+  cfg.gridDim = dim3(p.ncl * cs, nslot);
   if (a.pdl && dev.major >= 9) {
     attrs[na].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attrs[na].val.programmaticStreamSerializationAllowed = 1;

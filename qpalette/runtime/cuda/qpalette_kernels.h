@@ -39,6 +39,14 @@ struct GemvArgs {
   int num_sms;
   int pdl;                // launch as a programmatic dependent launch (Hopper)
   void* stream;           // cudaStream_t
+  // MoE experts in one launch (m = 1, x: (tokens, ldx), y: (slots, ldy)): y row v = x row x_rows[v] ·
+  // W_jᵀ for j = members[v] ≥ 0, zeros for j < 0. Member j's matrix (same shape and entry as `codes`,
+  // `row_scale`, `signs`, which describe member 0) is at the device addresses experts[4j .. 4j+3]:
+  // codes a, codes b (0 unless half-TCQ), row_scale, signs. All int64 device arrays; nullptr: one matrix.
+  const void* experts;
+  const void* members;
+  const void* x_rows;
+  int slots;
 };
 
 // W_r = decode(codes) ⊙ row_scale as a dense (rows, cols) matrix in dtype.
