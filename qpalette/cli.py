@@ -557,7 +557,8 @@ def bench(
     compile_modes: str = typer.Option(
         "default", "--compile-modes",
         help="How generate and the loop compile: default (transformers' reduce-overhead), lean (without "
-        "dynamo's guards on module state), or both: default,lean.",
+        "dynamo's guards on module state), deferred (lean, and generate checks for the end one step late "
+        "on CUDA, so the host no longer waits for the GPU every token), or several: default,deferred.",
     ),
     ways: str = typer.Option(
         "decoder,generate,loop", "--ways",

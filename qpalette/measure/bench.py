@@ -3,10 +3,10 @@
 - generate: transformers' `generate` as users run it, with a static KV cache (on CUDA it
   compiles the decode step with torch.compile, mode "reduce-overhead", i.e. CUDA graphs),
   greedy, a random prompt of `prompt_len` tokens per sequence. A stopping criterion records a
-  timestamp after every step (after a device synchronise); the step time is the median gap
+  CUDA event after every step (no synchronise of its own); the step time is the median gap
   between consecutive steps of a second, timed generate call (the first one compiles and warms
   up), so prefill and compilation are excluded. It includes generate's per-token host work
-  (logits processors, stopping criteria, bookkeeping), which the GPU waits for.
+  (logits processors, stopping criteria, bookkeeping) wherever the GPU waits for it.
 - loop: the model's forward alone, compiled the same way, one token a step against the same
   static cache, greedy argmax fed back, `gen_len` steps between two CUDA events with no
   synchronise in between: what the GPU needs per token when the host keeps up (as gpt-fast
@@ -16,8 +16,9 @@
   the whole decode from the first step enqueued to the last token read, with the host's time to
   enqueue each step.
 Each compiled way runs with every compile mode asked for (`compile_modes`, qpalette.generation.
-hf_compile: "default" is transformers' reduce-overhead; "lean" drops dynamo's module guards); the
-loop also records the host's time per compiled call.
+hf_compile: "default" is transformers' reduce-overhead; "lean" drops dynamo's module guards;
+"deferred" is lean with generate's stop check one step late); the loop also records the host's
+time per compiled call.
 tok/s = 1 / step time (per sequence), throughput = batch / step time.
 """
 
@@ -32,7 +33,7 @@ import torch
 
 from qpalette.devices import resolve_device
 from qpalette.errors import InputError
-from qpalette.generation.hf_compile import MODES, compile_config, compile_kwargs
+from qpalette.generation.hf_compile import MODES, compile_config, compile_kwargs, deferred_stop_check
 from qpalette.runtime.loading import load_model
 from qpalette.runtime.modules import decoded_bytes
 
@@ -54,16 +55,27 @@ WAYS = ("decoder", "generate", "loop")
 
 
 class _StepClock:
-    """A StoppingCriteria that only records when each decode step finished."""
+    """A StoppingCriteria that only records when each decode step finished: on CUDA as an event in
+    the stream (no wait of its own, so a generate that overlaps host and GPU work stays overlapped),
+    elsewhere by the host clock."""
 
     def __init__(self, device: torch.device):
-        self.device, self.times = device, []
+        self.device, self.marks = device, []
 
     def __call__(self, input_ids, scores, **kwargs):
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.times.append(time.perf_counter())
+            self.marks.append(torch.cuda.Event(enable_timing=True))
+            self.marks[-1].record()
+        else:
+            self.marks.append(time.perf_counter())
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def steps(self) -> list[float]:
+        """Seconds between consecutive marks."""
+        if self.device.type != "cuda":
+            return [b - a for a, b in zip(self.marks, self.marks[1:])]
+        self.marks[-1].synchronize()
+        return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
 
 
 def random_prompt(model, batch: int, prompt_len: int, seed: int) -> torch.Tensor:
@@ -83,12 +95,11 @@ def decode_step_times(model, batch: int, prompt_len: int, gen_len: int, compile:
               pad_token_id=model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0)
     if compile:
         torch._dynamo.reset()
-    with torch.no_grad():
+    with torch.no_grad(), deferred_stop_check(mode == "deferred"):
         model.generate(ids, **kw)  # compile, capture graphs, warm up
         clock = _StepClock(device)
         model.generate(ids, stopping_criteria=StoppingCriteriaList([clock]), **kw)
-    t = clock.times
-    return [b - a for a, b in zip(t[1:], t[2:])]  # drop the step that follows prefill
+    return clock.steps()[1:]  # drop the step that follows prefill
 
 
 def static_cache(config, batch: int, max_len: int, device, dtype):
@@ -115,8 +126,8 @@ class DecodeLoop:
         self.positions = torch.arange(prompt_len + steps, device=device)
         if compile:
             torch._dynamo.reset()  # each loop compiles afresh: no recompile limit hit, no stale graphs
-        self.graphs = compile in ("reduce-overhead", "lean")
-        kwargs = compile_kwargs("lean") if compile == "lean" else {"mode": compile}
+        self.graphs = compile in ("reduce-overhead", "lean", "deferred")
+        kwargs = compile_kwargs(compile) if compile in ("lean", "deferred") else {"mode": compile}
         self.forward = torch.compile(model.forward, **kwargs) if compile else model.forward
         with torch.no_grad():
             logits = model(input_ids=ids, past_key_values=self.cache, use_cache=True, **self._where(0, prompt_len)).logits

@@ -41,7 +41,7 @@ from typing import Callable
 
 import torch
 
-from qpalette.generation.hf_compile import MODES
+from qpalette.generation.hf_compile import MODES, deferred_stop_check
 from qpalette.measure.bench import decode_loop_times, decode_step_times
 
 PARTS = ("compiled_call", "eager_forward", "processors", "criteria", "stop_check", "prepare_inputs",
@@ -269,9 +269,10 @@ def profile_mode(model, name: str, mode: str, compiled: bool, batch: int, prompt
     step_s, call = _warm_up(model, batch, prompt_len, gen_len, compiled, seed, mode)
     frames = _frames_compiled()
     _log(f"{name} [{label}]: timing, cProfile, torch.profiler")
-    parts = _timed_calls(model, call, repeats)
-    cprof = _cprofile(model, call, prefix)
-    tprof = _torch_profile(model, call, prefix)
+    with deferred_stop_check(compiled and mode == "deferred"):  # as decode_step_times ran it
+        parts = _timed_calls(model, call, repeats)
+        cprof = _cprofile(model, call, prefix)
+        tprof = _torch_profile(model, call, prefix)
     frames = _frames_compiled() - frames
     _log(f"{name} [{label}]: forward loop")
     loop_s, loop_host_s = decode_loop_times(model, batch, prompt_len, gen_len,

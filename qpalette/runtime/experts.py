@@ -15,6 +15,7 @@ path, and so does every call under `QPALETTE_GROUPED_EXPERTS=0` (for A/B measure
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -52,14 +53,15 @@ class Launch:
 
 def _matrix(layer) -> tuple[str, tuple] | None:
     """(entry, runtime tensors) of one expert projection, rows sliced out of a fused group, or
-    None when the layer is not a plain quantized one (a LoRA wrapper, a bias, unaligned rows)."""
+    None when the layer is not a plain quantized one (a LoRA wrapper, a bias, unaligned rows, no
+    rotation)."""
     if isinstance(layer, FusedSlice):
         group, start, stop = layer.group, layer.start, layer.stop
     elif isinstance(layer, QuantizedLinear):
         group, start, stop = layer, 0, layer.out_features
     else:
         return None
-    if group.bias is not None or start % 16 or stop % 16:
+    if group.bias is not None or group.rotation is None or start % 16 or stop % 16:
         return None
     group.to_lane_major()
     tensors = group.stored_tensors()
@@ -81,6 +83,8 @@ def launches(experts: PerExpertMLP, roles: tuple[str, ...]) -> list[Launch] | No
             if m is None:
                 return None
             entry, tensors = m
+            if not ops.gemv_rotates_entry(entry, tensors[3].numel() * 8):
+                return None
             members = found.setdefault(entry, [])
             member_of.setdefault(entry, [-1] * (len(roles) * n + 1))[r * n + e] = len(members)
             members.append(tensors)
@@ -97,16 +101,20 @@ def launches(experts: PerExpertMLP, roles: tuple[str, ...]) -> list[Launch] | No
     return out
 
 
-# Modules registered anywhere since a plan was made (peft wrapping an expert's layer in a LoRA
-# layer, say): the plan's layers are then checked again before it is used.
-_registrations = [0]
+_OWNER = "_qpalette_grouped_owner"  # on each expert: a weak reference to its QuantizedExperts
 
 
-def _count_registration(module, name, submodule):
-    _registrations[0] += 1
+def _forget_plan(module, name, submodule):
+    """A module registered on the experts or one expert (peft wrapping a layer in a LoRA layer, say):
+    that QuantizedExperts makes its plan again. A global hook, because the swap happens on the
+    expert; it touches nothing else, so a registration elsewhere (a compiler building its graph
+    modules) leaves the plans and the compiled forward alone."""
+    owner = module if isinstance(module, QuantizedExperts) else module.__dict__.get(_OWNER, lambda: None)()
+    if owner is not None:
+        owner.__dict__.pop("_plan", None)
 
 
-nn.modules.module.register_module_module_registration_hook(_count_registration)
+nn.modules.module.register_module_module_registration_hook(_forget_plan)
 
 
 class QuantizedExperts(PerExpertMLP):
@@ -115,8 +123,7 @@ class QuantizedExperts(PerExpertMLP):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         if self._takes(hidden_states, top_k_index):
-            made = self.__dict__.get("_plan")
-            plan = made[1] if made is not None and made[0] == _registrations[0] else self.plan()
+            plan = self.__dict__["_plan"] if "_plan" in self.__dict__ else self.plan()
             if plan is not None:
                 return self.grouped(hidden_states, top_k_index, top_k_weights, plan)
         return super().forward(hidden_states, top_k_index, top_k_weights)
@@ -129,14 +136,13 @@ class QuantizedExperts(PerExpertMLP):
     @torch.compiler.disable  # built eagerly, before any graph captures the forward
     def plan(self) -> tuple[list[Launch], list[Launch]] | None:
         """(gate/up launches, down launches), or None when the experts cannot run grouped; kept
-        with the registration count it was checked at."""
-        layers = [getattr(e, r, None) for e in self for r in IN_ROLES + OUT_ROLES]
-        made = self.__dict__.get("_plan")
-        if made is None or any(a is not b for a, b in zip(layers, made[2])):
+        until a layer under the experts is replaced or the experts move."""
+        if "_plan" not in self.__dict__:
+            for expert in self:
+                expert.__dict__[_OWNER] = weakref.ref(self)
             ins, outs = launches(self, IN_ROLES), launches(self, OUT_ROLES)
-            made = (0, (ins, outs) if ins and outs else None, layers)
-        self.__dict__["_plan"] = (_registrations[0], made[1], made[2])
-        return made[1]
+            self.__dict__["_plan"] = (ins, outs) if ins and outs else None
+        return self.__dict__["_plan"]
 
     def grouped(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 plan: tuple[list[Launch], list[Launch]]) -> torch.Tensor:

@@ -123,6 +123,13 @@ def gemv_rotates(n: int) -> bool:
     return 8 <= p2 <= FUSED_ROTATION_MAX_P2 and k <= FUSED_ROTATION_MAX_K
 
 
+def gemv_rotates_entry(quantizer: str, n: int) -> bool:
+    """gemv_rotates for one entry: half-TCQ's two code segments each need whole groups of 128
+    columns, so its fused rotation takes n divisible by 256 (what the expert GEMV, which cannot
+    rotate separately, requires of every launch)."""
+    return gemv_rotates(n) and (get_quantizer(quantizer).family != "half-tcq" or n % 256 == 0)
+
+
 def rotated_matmul(x: torch.Tensor, signs: torch.Tensor, quantizer: str, tensors: dict[str, torch.Tensor],
                    shape: tuple[int, int]) -> torch.Tensor:
     """quantized_matmul(rotate(x, signs), ...) as one op (one kernel on CUDA for batch ≤ 8)."""

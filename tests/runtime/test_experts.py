@@ -18,10 +18,11 @@ from qpalette.runtime import experts as grouped_experts
 from qpalette.runtime.experts import QuantizedExperts
 
 EXPERTS, TOP_K = 4, 2
-#: a tiny Qwen3-MoE the GEMV takes (inputs of 128 = 2^7 and 256, whole groups of 128 columns)
+#: a tiny Qwen3-MoE the expert GEMV takes: inputs of 256, whole groups of 128 columns in each of
+#: half-TCQ's two code segments
 MOE = {"model_type": "qwen3_moe", "hidden_size": 256, "intermediate_size": 256, "num_attention_heads": 4,
        "num_key_value_heads": 2, "head_dim": 64, "num_experts": EXPERTS, "num_experts_per_tok": TOP_K,
-       "moe_intermediate_size": 128}
+       "moe_intermediate_size": 256}
 
 
 def mixed_plan(src, tmp_path):
@@ -84,8 +85,25 @@ def test_a_replaced_expert_layer_is_seen(compressed):
     _, q = compressed
     model, _ = qpalette.load_model(q)
     moe = experts_of(model)[0]
-    assert moe.plan() is not None
+    plan = moe.plan()
+    assert plan is not None
+    torch.nn.Sequential(torch.nn.Linear(2, 2))  # modules registered elsewhere (a compiler's graphs)
+    assert moe.plan() is plan
     moe[1].up_proj = torch.nn.Linear(MOE["hidden_size"], MOE["moe_intermediate_size"], bias=False)
+    assert moe.plan() is None
+
+
+def test_experts_whose_input_the_gemv_cannot_rotate_stay_per_expert(compressed, monkeypatch):
+    """The expert GEMV has no separate rotation to fall back on: an entry and width it cannot rotate
+    (half-TCQ over 128 columns: two segments of 64) leave the experts on the per-expert path."""
+    from qpalette.runtime import ops
+
+    assert ops.gemv_rotates_entry("tcq-2.0", 128) and not ops.gemv_rotates_entry("half-tcq-3.25", 128)
+    assert ops.gemv_rotates_entry("half-tcq-3.25", 256) and not ops.gemv_rotates_entry("tcq-2.0", 96)
+    _, q = compressed
+    model, _ = qpalette.load_model(q)
+    moe = experts_of(model)[0]
+    monkeypatch.setattr(ops, "gemv_rotates_entry", lambda entry, n: n != MOE["moe_intermediate_size"])
     assert moe.plan() is None
 
 
@@ -107,6 +125,7 @@ def test_expert_kernel_equals_the_per_expert_kernels(compressed, dtype):
     kind, q = compressed
     model, _ = qpalette.load_model(q, device="cuda", dtype=dtype)
     for b, moe in enumerate(experts_of(model)):
+        assert moe.plan() is not None
         for tokens in (1, 2, 5, 8):
             idx, w = routes(tokens, seed=100 + 10 * b + tokens)
             idx, w = idx.cuda(), w.cuda().to(dtype)
@@ -151,6 +170,26 @@ def test_a_decode_step_of_experts_captures_in_a_cuda_graph(compressed):
         graph.replay()
         want = moe(h, idx, w)
     torch.testing.assert_close(out, want)
+
+
+@pytest.mark.gpu
+def test_compiled_experts_do_not_recompile_per_step(compressed):
+    """Under torch.compile (transformers' generate, the bench loop) the grouped experts trace once:
+    new routes, same shapes, no recompile, same result as eager."""
+    _, q = compressed
+    model, _ = qpalette.load_model(q, device="cuda", dtype=torch.float16)
+    moe = experts_of(model)[0]
+    compiled = torch.compile(moe)
+    h = torch.randn(2, MOE["hidden_size"], device="cuda", dtype=torch.float16)
+    with torch.no_grad():
+        for seed in range(2):
+            idx, w = routes(2, seed=seed)
+            compiled(h, idx.cuda(), w.cuda().half())
+        with torch.compiler.set_stance("fail_on_recompile"):
+            for seed in range(2, 5):
+                idx, w = routes(2, seed=seed)
+                idx, w = idx.cuda(), w.cuda().half()
+                torch.testing.assert_close(compiled(h, idx, w), moe(h, idx, w))
 
 
 @pytest.mark.gpu
