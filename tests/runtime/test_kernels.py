@@ -55,8 +55,9 @@ def poison(shape, dtype):
     torch.full(shape, float("nan"), dtype=dtype, device="cuda")
 
 
-def run_fused(ext, name, x2, tensors, rows, pdl=True, signs=None):
-    """The fused GEMV straight through the extension (None: it does not take this shape)."""
+def run_fused(ext, name, x2, tensors, rows, pdl=True, signs=None, num_sms=None):
+    """The fused GEMV straight through the extension (None: it does not take this shape); `num_sms`
+    fewer than the GPU's: fewer CTAs, each owning more row tiles."""
     spec = ops.kernel_spec(name)
     a, b = ops.code_tensors(name, tensors)
     poison((x2.shape[0], rows), x2.dtype)
@@ -64,7 +65,7 @@ def run_fused(ext, name, x2, tensors, rows, pdl=True, signs=None):
     hk = ops._hadamard_row_masks(k, x2.device) if k > 1 else None
     return ext.gemv(x2, a, b, tensors["row_scale"], ops.lut(name, x2.dtype, x2.device), ext.FAMILY_CODES[spec.family],
                     spec.p0, spec.p1, rows, torch.cuda.current_stream().cuda_stream,
-                    torch.cuda.get_device_properties(0).multi_processor_count, pdl, signs, hk, k)
+                    num_sms or torch.cuda.get_device_properties(0).multi_processor_count, pdl, signs, hk, k)
 
 
 def run_dequant(ext, name, tensors, shape, dtype):
@@ -104,6 +105,21 @@ def test_fused_matmul_every_entry(ext, name):
     assert not bad, f"{name}: relative error above {TOL}: {bad}"
 
 
+@pytest.mark.parametrize("name", ["tcq-2.0", "half-tcq-3.25", "nuq-4", "vq-2.0"])
+def test_ctas_owning_several_row_tiles_of_a_narrow_matrix(ext, name):
+    """Few CTAs (as when an expert launch shares the SMs among its slots), each with more row
+    tiles than a narrow input gives it warps: every row tile is still reduced and written."""
+    gen = torch.Generator().manual_seed(3)
+    for rows, cols in [(256, 256), (512, 128), (96, 512)]:
+        stored, tensors = random_tensors(name, rows, cols, gen)
+        w = ops.dequantize(name, stored, (rows, cols))
+        for m in (1, 3):
+            x = torch.randn(m, cols, generator=gen).half().cuda()
+            for num_sms in (1, 5):
+                y = run_fused(ext, name, x, tensors, rows, num_sms=num_sms)
+                assert rel_err(y, x.float() @ w.T) <= TOL, (rows, cols, m, num_sms)
+
+
 @pytest.mark.parametrize("name", ["tcq-2.0", "nuq-4", "vq-4.0", "half-tcq-3.25", "nuq-8", "vq-6.0"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dequantize_kernel(ext, name, dtype):
@@ -135,8 +151,7 @@ def test_rotation_fused_into_the_gemv(ext, name, dtype):
             assert rel_err(y, ref) <= TOL, (rows, cols, m)
             if m <= ops.FUSED_MAX_ROWS:
                 fused = run_fused(ext, name, x, tensors, rows, signs=signs)
-                whole = cols % (256 if get_quantizer(name).family == "half-tcq" else 128) == 0  # no padded group
-                assert (fused is not None) == (ops.gemv_rotates(cols) and whole), (rows, cols)
+                assert (fused is not None) == ops.gemv_rotates_entry(name, cols), (rows, cols)  # whole groups
 
 
 def test_every_entry_has_a_kernel(ext):

@@ -26,6 +26,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -605,12 +606,11 @@ int resident(K kern, const cudaLaunchConfig_t& cfg, int cs, int num_sms, int dev
       e = cudaOccupancyMaxActiveClusters(&n, kern, &cfg);
     } else {
       e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kern, cfg.blockDim.x, cfg.dynamicSmemBytes);
-      n *= num_sms;
     }
     if (e != cudaSuccess) return e;
     it = cache.emplace(key, n > 0 ? n : 1).first;
   }
-  out = it->second;
+  out = cs > 1 ? it->second : it->second * num_sms;  // per SM for single CTAs, so num_sms may vary
   return cudaSuccess;
 }
 
@@ -637,7 +637,10 @@ int launch_gemv(const GemvArgs& a) {
                  (a.rot_k > 1) != (a.hk_neg != nullptr)))
     return UNSUPPORTED;
   for (int c = 1; c <= (dev.major >= 9 ? 8 : 1); c *= 2) {
-    const int g = (gtot + c - 1) / c, w = (g + NG - 1) / NG;
+    // at least RR warps: round r's row tiles are reduced by warps 0..RR-1, so a CTA with fewer
+    // warps would skip rows whenever it owns more than one row tile (narrow inputs, or expert
+    // launches whose slots share the SMs)
+    const int g = (gtot + c - 1) / c, w = std::max((g + NG - 1) / NG, static_cast<int>(PR::RR));
     if (rotate && (g * c != gtot || (g * 128) % p2 != 0)) continue;  // every CTA: whole segments
     if (rotate && a.rot_k > 1 && c > 4) continue;  // the signed row staged in z: 2·cols ≤ 8·cols/c bytes
     const size_t s = gemv_smem<L>(PR::RR, w, g, c, a.m, rotate ? g * 128 : 0);
