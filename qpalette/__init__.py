@@ -2,7 +2,8 @@
 
 The library API (qpalette.api, re-exported here) is what the `qpalette` command line calls:
 `calibrate`, `hessians`, `plan` (`load_plan`, `describe_plan`), `compress`, `quantize` (in memory), `from_pretrained`, `load_model`,
-`generate`, `evaluate`, `bench`, `profile`, `palette`; and the versioned configs of the steps that
+`generate`, `evaluate`, `bench`, `profile`, `palette`; `compile_config` and `deferred_stop_check` for
+transformers' own `generate` (qpalette.generation.hf_compile); and the versioned configs of the steps that
 record their recipe (`CalibrateConfig`, `PlanConfig`, `CompressConfig`, qpalette.config).
 
 Importing qpalette registers `quant_method: "qpalette"` with transformers, so that
@@ -33,6 +34,7 @@ from qpalette.api import (
     quantize,
 )
 from qpalette.config import CalibrateConfig, CompressConfig, PlanConfig
+from qpalette.generation.hf_compile import compile_config, deferred_stop_check
 from qpalette.version import __version__
 
 
@@ -48,5 +50,6 @@ def register() -> None:
 
 wrapt.register_post_import_hook(lambda _transformers: register(), "transformers")
 
-__all__ = ["CalibrateConfig", "CompressConfig", "PlanConfig", "__version__", "bench", "calibrate", "compress", "describe_plan", "evaluate", "from_pretrained", "generate",
+__all__ = ["CalibrateConfig", "CompressConfig", "PlanConfig", "__version__", "bench", "calibrate", "compile_config", "compress",
+           "deferred_stop_check", "describe_plan", "evaluate", "from_pretrained", "generate",
            "hessians", "load_model", "load_plan", "loss_table", "palette", "plan", "profile", "quantize", "register"]

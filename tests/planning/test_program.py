@@ -9,7 +9,7 @@ import random
 import pytest
 from helpers import block_covers, exhaustive
 
-from qpalette.errors import InfeasibleBudget
+from qpalette.errors import InfeasibleBudget, PlanError
 from qpalette.models.topology import (
     FUSED_GROUPS,
     GROUPS,
@@ -262,3 +262,14 @@ def test_memory_plan_groups_are_valid(with_profile, fuse):
                 assert any(g.group == "gateup" for g in blk.groups)
     assert sorted(covered) == sorted(plan.layers)
     assert (plan.totals["latency_s"] is not None) == with_profile
+
+
+def test_a_speed_budget_on_experts_is_refused_with_the_reason():
+    """A token runs only its routed experts: a sum of per-layer latencies would count all of them."""
+    moe = {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    layers = tiny_layers(**moe)
+    assert any(".experts.3." in l.name for l in layers)
+    qs = quantizers(["tcq-2", "tcq-3"])
+    with pytest.raises(PlanError, match="mixture-of-experts.*bits or bytes budget"):
+        build_problem(layers, [1.0] * len(layers), qs, ERR, latency=fake_profile(qs, 0), use_latency=True)
+    build_problem(layers, [1.0] * len(layers), qs, ERR, latency=fake_profile(qs, 0))  # bits/bytes plans stay
