@@ -558,7 +558,9 @@ def bench(
         "default", "--compile-modes",
         help="How generate and the loop compile: default (transformers' reduce-overhead), lean (without "
         "dynamo's guards on module state), deferred (lean, and generate checks for the end one step late "
-        "on CUDA, so the host no longer waits for the GPU every token), or several: default,deferred.",
+        "on CUDA, so the host no longer waits for the GPU every token), plain (model.generate as a user calls "
+        "it: a qpalette model defers its stop check by itself, an original model does not), or several: "
+        "default,deferred,plain.",
     ),
     ways: str = typer.Option(
         "decoder,generate,loop", "--ways",

@@ -9,23 +9,32 @@ safe here because a loaded model's modules do not change between decode calls (a
 one change, to the kernels' layout, happens at the first eager call, before anything compiles).
 "deferred" compiles as lean and also lets generate read its stop flag one step late on CUDA
 (`deferred_stop_check`): transformers otherwise waits for the GPU after every token, so its ~1.5 ms
-of host work per step adds to the GPU's time instead of overlapping it.
+of host work per step adds to the GPU's time instead of overlapping it. A loaded qpalette model's
+own `generate` defers the stop check by itself (`deferring_generate`; QPALETTE_DEFERRED_STOP=0
+turns that off); lean stays opt-in, since it trusts that modules do not change between calls.
 """
 
 from __future__ import annotations
 
+import os
+import types
 from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 
-MODES = ("default", "lean", "deferred")
+#: "plain" is no mode of ours: generate exactly as a user calls it (the model's own compile config,
+#: and for a qpalette model its deferred stop check)
+MODES = ("default", "lean", "deferred", "plain")
+#: whether an enclosing `deferred_stop_check` block has decided (None: none has)
+_STOP_CHECK_CHOSEN: ContextVar[bool | None] = ContextVar("qpalette_deferred_stop_check", default=None)
 
 
 def compile_kwargs(mode: str = "default") -> dict:
     """torch.compile keyword arguments of a decode step: CUDA graphs either way; "lean" without
     guards on module state (torch.compile refuses `mode` together with `options`, so the lean form
     spells reduce-overhead as its one inductor option)."""
-    if mode == "default":
+    if mode in ("default", "plain"):
         return {"mode": "reduce-overhead"}
     if mode in ("lean", "deferred"):
         return {"options": {"triton.cudagraphs": True,
@@ -49,6 +58,16 @@ def deferred_stop_check(enabled: bool = True):
     to the host without waiting, so the host queues step t+1 while the GPU runs step t; the extra
     step this costs is undone by transformers. Yields whether it is in effect (False on a
     transformers without DeferredStopCheck, or when not `enabled`)."""
+    chosen = _STOP_CHECK_CHOSEN.set(enabled)
+    try:
+        with _deferring(enabled) as on:
+            yield on
+    finally:
+        _STOP_CHECK_CHOSEN.reset(chosen)
+
+
+@contextmanager
+def _deferring(enabled: bool):
     from transformers.generation import utils
 
     cls = getattr(utils, "DeferredStopCheck", None)
@@ -67,3 +86,19 @@ def deferred_stop_check(enabled: bool = True):
         yield True
     finally:
         cls.is_supported = original
+
+
+def _generate_deferring_stop(self, *args, **kwargs):
+    """`generate` of a loaded qpalette model: transformers' own, its stop check deferred on CUDA
+    unless a `deferred_stop_check` block around the call has decided (as `qpalette bench` does)."""
+    generate = type(self).generate
+    if _STOP_CHECK_CHOSEN.get() is not None:
+        return generate(self, *args, **kwargs)
+    with deferred_stop_check(os.environ.get("QPALETTE_DEFERRED_STOP", "1") != "0"):
+        return generate(self, *args, **kwargs)
+
+
+def deferring_generate(model) -> None:
+    """Make `model.generate` defer transformers' stop check (an instance method: a bound method,
+    so copy.deepcopy rebinds it to the copy)."""
+    model.generate = types.MethodType(_generate_deferring_stop, model)

@@ -17,8 +17,9 @@
   enqueue each step.
 Each compiled way runs with every compile mode asked for (`compile_modes`, qpalette.generation.
 hf_compile: "default" is transformers' reduce-overhead; "lean" drops dynamo's module guards;
-"deferred" is lean with generate's stop check one step late); the loop also records the host's
-time per compiled call.
+"deferred" is lean with generate's stop check one step late; "plain" is `model.generate` exactly
+as a user calls it: transformers' compile config, and for a qpalette model the stop check it defers
+by itself, for an original model none); the loop also records the host's time per compiled call.
 tok/s = 1 / step time (per sequence), throughput = batch / step time.
 """
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
@@ -91,11 +93,13 @@ def decode_step_times(model, batch: int, prompt_len: int, gen_len: int, compile:
     device = model.device
     ids = random_prompt(model, batch, prompt_len, seed)
     kw = dict(max_new_tokens=gen_len, min_new_tokens=gen_len, do_sample=False,
-              cache_implementation="static", disable_compile=not compile, compile_config=compile_config(mode),
+              cache_implementation="static", disable_compile=not compile,
               pad_token_id=model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0)
+    if mode != "plain":  # plain: the model's own generation config and generate, as a user calls it
+        kw["compile_config"] = compile_config(mode)
     if compile:
         torch._dynamo.reset()
-    with torch.no_grad(), deferred_stop_check(mode == "deferred"):
+    with torch.no_grad(), (nullcontext() if mode == "plain" else deferred_stop_check(mode == "deferred")):
         model.generate(ids, **kw)  # compile, capture graphs, warm up
         clock = _StepClock(device)
         model.generate(ids, stopping_criteria=StoppingCriteriaList([clock]), **kw)
@@ -206,7 +210,7 @@ def _measure_batch(model, opts: BenchOptions, b: int, compiled: bool) -> dict:
         if "loop" in opts.ways:
             loop, loop_host = decode_loop_times(
                 model, b, opts.prompt_len, opts.gen_len,
-                ("reduce-overhead" if mode == "default" else mode) if compiled else None, opts.seed)
+                ("reduce-overhead" if mode in ("default", "plain") else mode) if compiled else None, opts.seed)
             row.update({f"loop{key}_step_s": loop, f"loop{key}_tok_per_s": 1 / loop,
                         f"loop{key}_throughput_tok_per_s": b / loop, f"loop{key}_host_s": loop_host})
     if "decoder" in opts.ways:

@@ -35,7 +35,7 @@ import re
 import statistics
 import sys
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import Callable
 
@@ -269,7 +269,8 @@ def profile_mode(model, name: str, mode: str, compiled: bool, batch: int, prompt
     step_s, call = _warm_up(model, batch, prompt_len, gen_len, compiled, seed, mode)
     frames = _frames_compiled()
     _log(f"{name} [{label}]: timing, cProfile, torch.profiler")
-    with deferred_stop_check(compiled and mode == "deferred"):  # as decode_step_times ran it
+    with (nullcontext() if mode == "plain" else  # as decode_step_times ran it
+          deferred_stop_check(compiled and mode == "deferred")):
         parts = _timed_calls(model, call, repeats)
         cprof = _cprofile(model, call, prefix)
         tprof = _torch_profile(model, call, prefix)

@@ -4,7 +4,8 @@
 `QpaletteHfQuantizer` to transformers' quantization registries. Before the weights are read,
 the quantizer swaps the planned nn.Linear layers of the meta-device skeleton for qpalette
 modules whose buffers match the stored tensors (`checkpoint.convert_model`); after loading it
-checks that the checkpoint's codebooks are the ones this qpalette decodes with.
+checks that the checkpoint's codebooks are the ones this qpalette decodes with, and gives the model
+a `generate` that does not wait for the GPU after every token (generation/hf_compile.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from qpalette.errors import CheckpointError
+from qpalette.generation.hf_compile import deferring_generate
 from qpalette.models.topology import (
     CHECKPOINT_TYPE_PREFIX,
     SUPPORTED_MODEL_TYPES,
@@ -91,6 +93,7 @@ class QpaletteHfQuantizer(HfQuantizer):
                 f"{self.quantization_config.qpalette_version or '?'} decodes with; load it with "
                 "the qpalette version that wrote it"
             )
+        deferring_generate(model)  # transformers' generate on CUDA without a GPU wait every token
         return model
 
     def _dequantize(self, model, dtype=None):

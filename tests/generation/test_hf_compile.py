@@ -47,3 +47,20 @@ def test_deferred_generate_gives_the_same_tokens_and_stops_at_eos(tiny_llama_dir
         got = model.generate(ids, **kw)
         got_eos = model.generate(ids, eos_token_id=eos, **kw)
     assert torch.equal(got, want) and torch.equal(got_eos, want_eos)
+
+
+@pytest.mark.gpu
+def test_a_compressed_model_generates_the_same_tokens_with_its_own_deferred_stop(tiny_llama_dir, tmp_path):
+    """`model.generate` as a user calls it (the stop check deferred by the loaded model itself)
+    equals transformers' generate waiting for the GPU every token, with and without an early EOS."""
+    from helpers import run_compress
+
+    run_compress(tiny_llama_dir, tmp_path / "q", scheme="nuq-4")
+    model, _ = load_model(tmp_path / "q", "cuda", torch.float16)
+    ids = torch.randint(3, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1)).cuda()
+    kw = dict(max_new_tokens=12, do_sample=False, cache_implementation="static", pad_token_id=0)
+    with deferred_stop_check(False):
+        want = model.generate(ids, **kw)
+        want_eos = model.generate(ids, eos_token_id=int(want[0, 7 + 2]), **kw)
+    assert torch.equal(model.generate(ids, **kw), want)
+    assert torch.equal(model.generate(ids, eos_token_id=int(want[0, 7 + 2]), **kw), want_eos)

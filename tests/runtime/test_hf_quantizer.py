@@ -81,3 +81,33 @@ def test_importing_the_quantizer_first_registers_it():
             "assert 'qpalette_llama.needs-import-qpalette' in CONFIG_MAPPING")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_a_loaded_model_generates_with_the_stop_check_deferred(compressed, monkeypatch):
+    """Its generate is transformers' own, called with DeferredStopCheck on for CUDA, unless an
+    enclosing deferred_stop_check block (as bench's timed modes) or QPALETTE_DEFERRED_STOP=0 says no;
+    a deep copy's generate runs on the copy."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+    from transformers.generation.utils import DeferredStopCheck
+
+    model = AutoModelForCausalLM.from_pretrained(compressed, dtype=torch.float32)
+    seen = []
+
+    def generate(self, *args, **kwargs):
+        seen.append((self, DeferredStopCheck.is_supported(torch.device("cuda"), None, False, is_assistant=False)))
+        return "tokens"
+
+    monkeypatch.setattr(type(model), "generate", generate)
+    assert model.generate("ids") == "tokens" and seen[-1] == (model, True)
+    with qpalette.deferred_stop_check(False):
+        model.generate("ids")
+    assert seen[-1] == (model, False)
+    twin = copy.deepcopy(model)
+    twin.generate("ids")
+    assert seen[-1] == (twin, True)
+    monkeypatch.setenv("QPALETTE_DEFERRED_STOP", "0")
+    model.generate("ids")
+    assert seen[-1] == (model, False)
+    assert not DeferredStopCheck.is_supported(torch.device("cuda"), None, False, is_assistant=False)
