@@ -5,8 +5,10 @@ Every call then runs dynamo's guards before replaying the graph, and with module
 guards cover every submodule's attributes and every parameter and buffer: thousands of checks a
 call for a 32-block model, several more per quantized layer (its flags, its rotation, its code
 buffers). "lean" drops the guards on nn.Module state (torch.compiler.skip_guard_on_all_nn_modules_unsafe):
-safe here because a loaded model's modules do not change between decode calls (a qpalette layer's
-one change, to the kernels' layout, happens at the first eager call, before anything compiles).
+safe for one loaded model whose modules do not change between decode calls (a qpalette layer's
+one change, to the kernels' layout, happens at the first eager call, before anything compiles),
+not across models: another model of the same class reuses the compiled code unless
+torch._dynamo.reset() runs in between.
 "deferred" compiles as lean and also lets generate read its stop flag one step late on CUDA
 (`deferred_stop_check`): transformers otherwise waits for the GPU after every token, so its ~1.5 ms
 of host work per step adds to the GPU's time instead of overlapping it. A loaded qpalette model's

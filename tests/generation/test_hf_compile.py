@@ -55,6 +55,7 @@ def test_a_compressed_model_generates_the_same_tokens_with_its_own_deferred_stop
     equals transformers' generate waiting for the GPU every token, with and without an early EOS."""
     from helpers import run_compress
 
+    torch._dynamo.reset()  # the lean code compiled by the test before, unguarded on modules, would be reused
     run_compress(tiny_llama_dir, tmp_path / "q", scheme="nuq-4")
     model, _ = load_model(tmp_path / "q", "cuda", torch.float16)
     ids = torch.randint(3, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1)).cuda()
