@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import types
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 
 import torch
@@ -88,6 +88,12 @@ def _deferring(enabled: bool):
         yield True
     finally:
         cls.is_supported = original
+
+
+def mode_stop_check(mode: str):
+    """The stop check a compile mode runs generate under: deferred for "deferred", transformers'
+    own for "default" and "lean", and for "plain" whatever the model's generate chooses itself."""
+    return nullcontext() if mode == "plain" else deferred_stop_check(mode == "deferred")
 
 
 def _generate_deferring_stop(self, *args, **kwargs):

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
@@ -35,7 +34,7 @@ import torch
 
 from qpalette.devices import resolve_device
 from qpalette.errors import InputError
-from qpalette.generation.hf_compile import MODES, compile_config, compile_kwargs, deferred_stop_check
+from qpalette.generation.hf_compile import MODES, compile_config, compile_kwargs, mode_stop_check
 from qpalette.runtime.loading import load_model
 from qpalette.runtime.modules import decoded_bytes
 
@@ -99,7 +98,7 @@ def decode_step_times(model, batch: int, prompt_len: int, gen_len: int, compile:
         kw["compile_config"] = compile_config(mode)
     if compile:
         torch._dynamo.reset()
-    with torch.no_grad(), (nullcontext() if mode == "plain" else deferred_stop_check(mode == "deferred")):
+    with torch.no_grad(), mode_stop_check(mode):
         model.generate(ids, **kw)  # compile, capture graphs, warm up
         clock = _StepClock(device)
         model.generate(ids, stopping_criteria=StoppingCriteriaList([clock]), **kw)

@@ -35,13 +35,13 @@ import re
 import statistics
 import sys
 import time
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from qpalette.generation.hf_compile import MODES, deferred_stop_check
+from qpalette.generation.hf_compile import MODES, mode_stop_check
 from qpalette.measure.bench import decode_loop_times, decode_step_times
 
 PARTS = ("compiled_call", "eager_forward", "processors", "criteria", "stop_check", "prepare_inputs",
@@ -269,8 +269,7 @@ def profile_mode(model, name: str, mode: str, compiled: bool, batch: int, prompt
     step_s, call = _warm_up(model, batch, prompt_len, gen_len, compiled, seed, mode)
     frames = _frames_compiled()
     _log(f"{name} [{label}]: timing, cProfile, torch.profiler")
-    with (nullcontext() if mode == "plain" else  # as decode_step_times ran it
-          deferred_stop_check(compiled and mode == "deferred")):
+    with mode_stop_check(mode):  # as decode_step_times ran it
         parts = _timed_calls(model, call, repeats)
         cprof = _cprofile(model, call, prefix)
         tprof = _torch_profile(model, call, prefix)

@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from qpalette.generation.hf_compile import MODES, compile_config, compile_kwargs, deferred_stop_check
+from qpalette.generation.hf_compile import (
+    MODES,
+    compile_config,
+    compile_kwargs,
+    deferred_stop_check,
+    mode_stop_check,
+)
 from qpalette.runtime.loading import load_model
 
 CUDA = torch.device("cuda")
@@ -29,6 +35,17 @@ def test_deferred_stop_check_is_switched_on_for_cuda_only_inside_the_block():
     assert not DeferredStopCheck.is_supported(CUDA, None, False, is_assistant=False)
     with deferred_stop_check(enabled=False) as on:
         assert not on and not DeferredStopCheck.is_supported(CUDA, None, False, is_assistant=False)
+
+
+
+def test_each_mode_runs_generate_under_its_stop_check():
+    from transformers.generation.utils import DeferredStopCheck
+
+    for mode, deferred in (("default", False), ("lean", False), ("deferred", True), ("plain", False)):
+        with mode_stop_check(mode):
+            assert DeferredStopCheck.is_supported(CUDA, None, False, is_assistant=False) == deferred
+    with mode_stop_check("plain"), deferred_stop_check() as on:  # plain leaves the choice to whoever makes it
+        assert on and DeferredStopCheck.is_supported(CUDA, None, False, is_assistant=False)
 
 
 @pytest.mark.gpu
