@@ -4,8 +4,10 @@ A tile is 128 steps of V = 2 weights. The state is a 16-bit window; each step sh
 so the predecessors of s are the 2^KV states whose low 16−KV bits equal s >> KV. Viewing the
 cost vector as (2^KV, 2^(16−KV)) makes "best predecessor" a min over the first axis and the next
 cost a broadcast add over (2^(16−KV), 2^KV): O(2^16) work per step, not O(2^16 · 2^KV).
-The same batched torch code runs on CPU and CUDA; tiles are processed in chunks sized to a
-memory budget, so any matrix size works.
+That batched torch code is the reference and runs on CPU (tiles in chunks sized to a memory
+budget, so any matrix size works); on a GPU with the kernels on, `quantize_tiles` runs the CUDA
+Viterbi instead (runtime/cuda/viterbi.cu: the per-step minima in shared memory, ~10× fewer bytes
+moved), and `QPALETTE_KERNELS=0` selects the reference there too.
 """
 
 from __future__ import annotations
@@ -100,13 +102,32 @@ def chunk_tiles(kv: int, device: torch.device, budget_bytes: int | None = None) 
     return max(1, budget_bytes // per_tile)
 
 
+def kernel_paths(x: torch.Tensor, table: torch.Tensor, kv: int) -> torch.Tensor | None:
+    """Tail-biting paths of tiles x (N, 128, 2) by the CUDA kernel, or None where it does not run
+    (CPU tensors, QPALETTE_KERNELS=0; a failed build raises KernelError rather than silently
+    falling back)."""
+    from qpalette.runtime import kernel_build
+
+    if not x.is_cuda or not kernel_build.available(x.device):
+        return None
+    dev = x.device
+    with torch.cuda.device(dev):
+        return kernel_build.extension(dev).viterbi(
+            x.contiguous(), table.to(dev, torch.float32).contiguous(), kv, table.shape[0].bit_length() - 1,
+            torch.cuda.current_stream(dev).cuda_stream, torch.cuda.get_device_properties(dev).multi_processor_count,
+        )
+
+
 def quantize_tiles(
     tiles: torch.Tensor, table: torch.Tensor, kv: int, budget_bytes: int | None = None
 ) -> torch.Tensor:
     """Tail-biting TCQ of tiles (N, 256) (fragment order) → state paths (N, 128) int64."""
     n = tiles.shape[0]
-    values = state_values(table.to(tiles.device, torch.float32))
     x = tiles.reshape(n, STEPS, 2).float()
+    fast = kernel_paths(x, table, kv) if n else None
+    if fast is not None:
+        return fast
+    values = state_values(table.to(tiles.device, torch.float32))
     chunk = chunk_tiles(kv, tiles.device, budget_bytes)
     return torch.cat(
         [_tail_biting_paths(x[i : i + chunk], values, kv) for i in range(0, n, chunk)]

@@ -116,3 +116,41 @@ def test_unpack_codes_equals_the_bitwise_reading(width):
     g = torch.Generator().manual_seed(width)
     words = torch.randint(-(2**31), 2**31, (3, 5, 8 * width), generator=g, dtype=torch.int64).to(torch.int32)
     assert torch.equal(unpack_codes(words, width), from_bits(unpack_bits(words), width))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", KVS)
+def test_viterbi_kernel_finds_the_reference_paths(kv):
+    """The CUDA Viterbi (runtime/cuda/viterbi.cu) against the torch reference on fresh random tiles:
+    valid tail-biting paths, the same cost (float rounding may break a near-tie either way), and
+    the same path on almost every tile."""
+    from qpalette.quant.trellis import _tail_biting_paths, kernel_paths
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    seed = int(torch.randint(0, 2**31, ()).item())
+    g = torch.Generator().manual_seed(seed)
+    n = 333  # not a multiple of the persistent grid
+    x = (torch.randn(n, STEPS, 2, generator=g) * 0.87).cuda()
+    table = codebook(f"tcq.q{lut_bits(kv)}").cuda()
+    values = state_values(table)
+    fast = kernel_paths(x, table, kv)
+    assert fast is not None, "kernels off on a CUDA machine"
+    ref = _tail_biting_paths(x, values, kv)
+    lo_mask = (1 << (16 - kv)) - 1
+    assert torch.equal(fast[:, 1:] >> kv, fast[:, :-1] & lo_mask), seed
+    assert torch.equal(fast[:, 0] >> kv, fast[:, -1] & lo_mask), seed
+    fc, rc = path_cost(x, values, fast), path_cost(x, values, ref)
+    assert torch.allclose(fc, rc, rtol=1e-4, atol=1e-4) or float((fc - rc).abs().gt(1e-3 * rc).float().mean()) < 0.02, seed
+    assert float(fc.sum()) <= float(rc.sum()) * (1 + 1e-4), seed
+    assert float((fast == ref).all(dim=1).float().mean()) > 0.95, seed
+
+
+@pytest.mark.gpu
+def test_viterbi_kernel_off_runs_the_reference(monkeypatch):
+    from qpalette.quant.trellis import kernel_paths
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    monkeypatch.setenv("QPALETTE_KERNELS", "0")
+    assert kernel_paths(torch.zeros(1, STEPS, 2, device="cuda"), codebook("tcq.q9").cuda(), 4) is None

@@ -180,6 +180,36 @@ at::Tensor hadamard(const at::Tensor& x, const at::Tensor& signs, const c10::opt
   return y;
 }
 
+// Tail-biting TCQ Viterbi paths (n, 128) int64 of tiles x (n, 128, 2) float32 against the hybrid
+// table (2^q, 2) float32, KV bits a step (trellis.quantize_tiles' kernel).
+at::Tensor viterbi(const at::Tensor& x, const at::Tensor& table, int64_t kv, int64_t q, int64_t stream,
+                   int64_t num_sms) {
+  check_cuda(x, "x");
+  check_cuda(table, "table");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 3 && x.size(1) == 128 && x.size(2) == 2,
+              "x must be float32 (tiles, 128, 2)");
+  TORCH_CHECK(table.scalar_type() == at::kFloat && table.dim() == 2 && table.size(0) == (int64_t{1} << q) &&
+                  table.size(1) == 2, "table must be float32 (2^q, 2)");
+  TORCH_CHECK(x.size(0) < (int64_t{1} << 31), "too many tiles for one call");
+  auto paths = at::empty({x.size(0), 128}, x.options().dtype(at::kLong));
+  if (x.size(0) == 0) return paths;
+  qp::ViterbiArgs a{};
+  long long bytes = 0;
+  check(qp::viterbi_plan(static_cast<int>(kv), static_cast<int>(q), static_cast<int>(num_sms),
+                         static_cast<int>(x.size(0)), &a.grid, &bytes), "qpalette Viterbi");
+  auto scratch = at::empty({bytes}, x.options().dtype(at::kByte));
+  a.x = x.data_ptr();
+  a.table = table.data_ptr();
+  a.paths = paths.data_ptr();
+  a.scratch = scratch.data_ptr();
+  a.n_tiles = static_cast<int>(x.size(0));
+  a.kv = static_cast<int>(kv);
+  a.q = static_cast<int>(q);
+  a.stream = reinterpret_cast<void*>(stream);
+  check(qp::viterbi(a), "qpalette Viterbi");
+  return paths;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -194,4 +224,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_experts", &gemv_experts, "MoE experts' GEMVs in one launch (undefined result: shape not supported)");
   m.def("dequant", &dequant, "dequantize to a dense matrix");
   m.def("hadamard", &hadamard, "y = H(s ⊙ x) over rows");
+  m.def("viterbi", &viterbi, "tail-biting TCQ Viterbi paths of 16×16 tiles");
 }

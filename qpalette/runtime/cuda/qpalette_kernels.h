@@ -73,6 +73,20 @@ int dequant(const DequantArgs& a, int family, int p0, int p1);
 int hadamard(const void* x, void* y, const uint8_t* signs, const int8_t* hk, int rows, int n, int k,
              int p2, int dtype, int num_sms, int pdl, void* stream);
 
+// Tail-biting Viterbi of the TCQ trellis (qpalette/quant/trellis.py): x (n_tiles, 128, 2) float32
+// tile pairs, table (2^q, 2) float32 hybrid table, paths (n_tiles, 128) int64 states out; scratch:
+// the back-pointers, `viterbi_plan`'s bytes for its grid. KV = 2..10.
+struct ViterbiArgs {
+  const void* x;
+  const void* table;
+  void* paths;
+  void* scratch;
+  int n_tiles, kv, q, grid;
+  void* stream;  // cudaStream_t
+};
+int viterbi_plan(int kv, int q, int num_sms, int n_tiles, int* grid, long long* scratch_bytes);
+int viterbi(const ViterbiArgs& a);
+
 // cudaGetErrorString of a return code above.
 const char* error_string(int rc);
 
