@@ -161,7 +161,7 @@ def calibrate(
         "memory): a model larger than that is split over the --device list, in one process."
     ),
     batch_size: int = typer.Option(0, "--batch-size", help="Sequences per forward pass (0: automatic)."),
-    dtype: str = typer.Option("auto", help="auto (cpu float32, cuda tf32), float32, tf32, bfloat16, float16."),
+    dtype: str = typer.Option("auto", help="auto (cpu float32, cuda bfloat16), float32, tf32, bfloat16, float16."),
     layers: Optional[str] = typer.Option(None, help="Only layers whose name matches this regex."),
     targets: Optional[list[str]] = typer.Option(
         None, "--targets", help="Regular expression of layer names to quantize (repeatable; default: every "

@@ -115,7 +115,7 @@ class CalibrateConfig(Config):
 
     num_seqs: int = 256  # evaluation sequences
     seq_len: int = 512  # tokens per sequence
-    levels: int = 4  # noise levels t = t_max·i/levels, i = 1..levels (4 fit a_l as 16 do: docs/method.md §4)
+    levels: int = 2  # noise levels t = t_max·i/levels, i = 1..levels (2 move plans by ~0.05%: docs/method.md §4)
     t_max: float = 1.0  # the largest noise norm, relative to the weight's norm
     directions: str = "shared"  # shared: one noise direction per layer over the levels; fresh: one per level
     loss: str = "auto"  # auto: kl data-free, ce on text; kl; ce
@@ -126,7 +126,7 @@ class CalibrateConfig(Config):
     targets: list[str] | None = None  # regexes of the quantizable layers (None: every block's linear layer)
     ignore: list[str] | None = None  # regexes of layers left 16-bit (None: MoE routers; []: none)
     batch_size: int = 0  # sequences per forward pass (0: automatic); does not change the result
-    dtype: str = "auto"  # auto (cpu float32, cuda tf32), float32, tf32, bfloat16, float16
+    dtype: str = "auto"  # auto (cpu float32, cuda bfloat16), float32, tf32, bfloat16, float16
 
 
 @dataclass(kw_only=True)

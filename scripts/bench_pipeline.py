@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", default="3.0bits")
     ap.add_argument("--num-seqs", type=int, default=256, help="calibrate's evaluation sequences")
     ap.add_argument("--layers", default=None, help="calibrate only the layers matching this regex")
+    ap.add_argument("--levels", type=int, default=None, help="calibrate's --levels (default: its own)")
     ap.add_argument("--sensitivity", type=Path, default=None,
                     help="plan from this sensitivity file instead of the calibration's (skips nothing)")
     ap.add_argument("--max-memory", default=None, help="calibrate's --max-memory (per device)")
@@ -113,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     if "calibrate" in steps:
         cmd = ["calibrate", args.model, "-o", str(sens), "--device", args.devices, "-n", str(args.num_seqs), "-q"]
         cmd += ["--layers", args.layers] if args.layers else []
+        cmd += ["--levels", str(args.levels)] if args.levels else []
         cmd += ["--max-memory", args.max_memory] if args.max_memory else []
         result["steps"]["calibrate"] = run_step("calibrate", cmd, args.work / "calibrate.log")
         doc = json.loads(sens.read_text())

@@ -66,7 +66,7 @@ def main() -> None:
     src = resolve_model(args.model)
     run(["palette", "--family", "tcq", "--family", "nuq", "--family", "vq"])
     # CPU: 4 sequences × 64 tokens and 4 noise levels keep the 210 layers to minutes on 2 cores
-    # (median R² stays > 0.99 at this size; the GPU runs the default 128K tokens × 4 levels)
+    # (median R² stays > 0.99 at this size; the GPU runs the default 128K tokens × 2 levels)
     size = [] if gpu else ["--num-seqs", "4", "--seq-len", "64", "--levels", "4"]
     run(["calibrate", str(src), "-o", str(sens), *size])
     palette = "tcq,half-tcq,vq,nuq" if gpu else "vq,nuq"

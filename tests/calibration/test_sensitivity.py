@@ -59,6 +59,18 @@ def test_spearman():
     assert spearman([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)
 
 
+def test_auto_dtype_is_bfloat16_on_gpus_and_float32_on_cpu(monkeypatch):
+    """--dtype auto: bfloat16 blocks on a GPU (measured to move a_l far less than the seed does),
+    float32 on the CPU; the TF32 switch is left alone."""
+    from qpalette.calibration.sensitivity import AUTO_CUDA_DTYPE
+    from qpalette.devices import resolve_dtype
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    assert resolve_dtype("auto", torch.device("cuda:0"), auto_cuda=AUTO_CUDA_DTYPE) is torch.bfloat16
+    assert resolve_dtype("auto", torch.device("cpu"), auto_cuda=AUTO_CUDA_DTYPE) is torch.float32
+    assert torch.backends.cuda.matmul.allow_tf32 is False
+
+
 def test_parse_devices():
     assert parse_devices("cpu") == ["cpu"] and parse_devices("cpu, cpu") == ["cpu", "cpu"]
     if not torch.cuda.is_available():
