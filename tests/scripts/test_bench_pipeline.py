@@ -35,9 +35,11 @@ def test_runs_the_three_steps(tiny_llama_dir, tmp_path, monkeypatch):
     out = tmp_path / "bench.json"
     monkeypatch.setattr(sys, "argv", ["bench_pipeline.py"])
     rc = _script().main([str(tiny_llama_dir), "--work", str(tmp_path / "w"), "--devices", "cpu", "--num-seqs", "2",
-                         "--budget", "3.0bits", "--project-blocks", "4", "--out", str(out)])
+                         "--budget", "3.0bits", "--project-blocks", "4", "--levels", "3", "--out", str(out)])
     doc = json.loads(out.read_text())
     assert rc == 0 and set(doc["steps"]) == {"calibrate", "plan", "compress"}
     assert doc["steps"]["calibrate"]["projection"]["projected_blocks"] == 4
+    assert "--levels 3" in doc["steps"]["calibrate"]["command"]
+    assert json.loads((tmp_path / "w" / "sens.json").read_text())["levels"] == 3
     assert doc["steps"]["compress"]["report"]["avg_bits"] <= 3.0 + 1e-9
     assert all(s["wall_s"] > 0 for s in doc["steps"].values())
