@@ -9,7 +9,8 @@ one palette entry of every decoder variant (TCQ with a one- and a two-lane halo,
 VQ), both 16-bit dtypes, batch 1 and 8 on the GEMV (a padded last lane group, a shape with more
 warps than groups, clusters of 8 CTAs) and batch 9 on the dequantize kernel, the rotation fused
 into the GEMV (inputs 4096, 1536 = 12·128 and 14336 = 28·512 over a cluster; batch 1 and 8), and
-the Hadamard kernel; every result is also checked against the PyTorch reference.
+the Hadamard kernel, and the encoder's Viterbi (KV 2, 8, 10); every result is also checked
+against the PyTorch reference.
 Logs go to DIR/sanitize_<tool>.log; the exit code is 0 only when no tool reports anything in
 qpalette's kernels (reports in other libraries' kernels, e.g. racecheck on cuBLAS, are counted
 and shown, not failed on) and every sample result matches.
@@ -56,6 +57,7 @@ def sample() -> int:
     signs = random_signs(14336, 2)
     y = ops.rotate(x, pack_signs(signs).cuda())
     bad += _report("hadamard 14336", y, rotate_input(x.float(), signs.cuda()))
+    bad += _viterbi_sample(gen)
     torch.cuda.synchronize()
     print(f"sample done: {bad} mismatches")
     return bad
@@ -77,6 +79,24 @@ def _rotated_sample(name: str, rows: int, cols: int, gen) -> int:
         x = torch.randn(m, cols, generator=gen).half().cuda()
         y = ops.rotated_matmul(x, pack_signs(signs).cuda(), name, lanes.pack(name, stored), (rows, cols))
         bad += _report(f"{name} {rows}x{cols} rotated m={m}", y, rotate_input(x.float(), signs.cuda()) @ w.T)
+    return bad
+
+
+def _viterbi_sample(gen) -> int:
+    """The encoder's Viterbi (KV 2: minima a thread; 8 and 10: minima shared by threads) on a few
+    tiles, its path costs against the torch reference's."""
+    import torch
+
+    from qpalette.quant.codebooks import codebook
+    from qpalette.quant.trellis import _tail_biting_paths, kernel_paths, lut_bits, state_values
+
+    bad = 0
+    for kv in (2, 8, 10):
+        x = torch.randn(5, 128, 2, generator=gen).cuda()
+        table = codebook(f"tcq.q{lut_bits(kv)}").cuda()
+        values = state_values(table)
+        cost = [(values[p] - x).pow(2).sum() for p in (kernel_paths(x, table, kv), _tail_biting_paths(x, values, kv))]
+        bad += _report(f"viterbi kv={kv}", cost[0].reshape(1), cost[1].reshape(1))
     return bad
 
 
