@@ -104,8 +104,9 @@ def chunk_tiles(kv: int, device: torch.device, budget_bytes: int | None = None) 
 
 def kernel_paths(x: torch.Tensor, table: torch.Tensor, kv: int) -> torch.Tensor | None:
     """Tail-biting paths of tiles x (N, 128, 2) by the CUDA kernel, or None where it does not run
-    (CPU tensors, QPALETTE_KERNELS=0; a failed build raises KernelError rather than silently
-    falling back)."""
+    (CPU tensors, QPALETTE_KERNELS=0, a GPU whose shared memory per block cannot hold the
+    trellis's minima, e.g. KV = 2 on a 99 KB card; a failed build raises KernelError rather than
+    silently falling back)."""
     from qpalette.runtime import kernel_build
 
     if not x.is_cuda or not kernel_build.available(x.device):

@@ -181,22 +181,26 @@ at::Tensor hadamard(const at::Tensor& x, const at::Tensor& signs, const c10::opt
 }
 
 // Tail-biting TCQ Viterbi paths (n, 128) int64 of tiles x (n, 128, 2) float32 against the hybrid
-// table (2^q, 2) float32, KV bits a step (trellis.quantize_tiles' kernel).
+// table (2^q, 2) float32, KV bits a step (trellis.quantize_tiles' kernel); undefined result where
+// this GPU's shared memory cannot hold the trellis (the caller then runs the reference).
 at::Tensor viterbi(const at::Tensor& x, const at::Tensor& table, int64_t kv, int64_t q, int64_t stream,
                    int64_t num_sms) {
   check_cuda(x, "x");
   check_cuda(table, "table");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 3 && x.size(1) == 128 && x.size(2) == 2,
               "x must be float32 (tiles, 128, 2)");
-  TORCH_CHECK(table.scalar_type() == at::kFloat && table.dim() == 2 && table.size(0) == (int64_t{1} << q) &&
-                  table.size(1) == 2, "table must be float32 (2^q, 2)");
+  TORCH_CHECK(q >= 1 && q <= 11 && table.scalar_type() == at::kFloat && table.dim() == 2 &&
+                  table.size(0) == (int64_t{1} << q) && table.size(1) == 2, "table must be float32 (2^q, 2), q ≤ 11");
+  TORCH_CHECK(table.device() == x.device(), "table and x must be on one device");
   TORCH_CHECK(x.size(0) < (int64_t{1} << 31), "too many tiles for one call");
   auto paths = at::empty({x.size(0), 128}, x.options().dtype(at::kLong));
   if (x.size(0) == 0) return paths;
   qp::ViterbiArgs a{};
   long long bytes = 0;
-  check(qp::viterbi_plan(static_cast<int>(kv), static_cast<int>(q), static_cast<int>(num_sms),
-                         static_cast<int>(x.size(0)), &a.grid, &bytes), "qpalette Viterbi");
+  const int rc = qp::viterbi_plan(static_cast<int>(kv), static_cast<int>(q), static_cast<int>(num_sms),
+                                  static_cast<int>(x.size(0)), &a.grid, &bytes);
+  if (rc == qp::UNSUPPORTED) return at::Tensor();  // too little shared memory on this GPU
+  check(rc, "qpalette Viterbi");
   auto scratch = at::empty({bytes}, x.options().dtype(at::kByte));
   a.x = x.data_ptr();
   a.table = table.data_ptr();

@@ -75,7 +75,8 @@ int hadamard(const void* x, void* y, const uint8_t* signs, const int8_t* hk, int
 
 // Tail-biting Viterbi of the TCQ trellis (qpalette/quant/trellis.py): x (n_tiles, 128, 2) float32
 // tile pairs, table (2^q, 2) float32 hybrid table, paths (n_tiles, 128) int64 states out; scratch:
-// the back-pointers, `viterbi_plan`'s bytes for its grid. KV = 2..10.
+// the back-pointers, `viterbi_plan`'s bytes for its grid. KV = 2..10, q ≤ 11; UNSUPPORTED where the
+// GPU's shared memory per block is too small (then the caller runs the reference).
 struct ViterbiArgs {
   const void* x;
   const void* table;

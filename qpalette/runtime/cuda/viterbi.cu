@@ -203,7 +203,12 @@ size_t smem_bytes(int q) {
 template <int KV>
 int plan(int q, int num_sms, int n_tiles, int* grid, long long* scratch_bytes) {
   const size_t smem = smem_bytes<KV>(q);
-  cudaError_t e = cudaFuncSetAttribute(viterbi_kernel<KV>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  int dev = 0, optin = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  if (e != cudaSuccess) return e;
+  if (smem > static_cast<size_t>(optin)) return UNSUPPORTED;  // e.g. KV = 2 on a 99 KB-per-block GPU
+  e = cudaFuncSetAttribute(viterbi_kernel<KV>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(smem));
   if (e != cudaSuccess) return e;
   int per_sm = 0;
@@ -226,7 +231,7 @@ int launch(const ViterbiArgs& a) {
 }  // namespace
 
 int viterbi_plan(int kv, int q, int num_sms, int n_tiles, int* grid, long long* scratch_bytes) {
-  if (q < 1 || q > 12 || n_tiles < 1 || num_sms < 1) return UNSUPPORTED;
+  if (q < 1 || q > 11 || n_tiles < 1 || num_sms < 1) return UNSUPPORTED;
 #define QP_PLAN(K) plan<K>(q, num_sms, n_tiles, grid, scratch_bytes)
   switch (kv) {
     case 2: return QP_PLAN(2);
@@ -245,7 +250,7 @@ int viterbi_plan(int kv, int q, int num_sms, int n_tiles, int* grid, long long* 
 
 int viterbi(const ViterbiArgs& a) {
   if (a.n_tiles == 0) return OK;
-  if (a.q < 1 || a.q > 12 || a.grid < 1) return UNSUPPORTED;
+  if (a.q < 1 || a.q > 11 || a.grid < 1) return UNSUPPORTED;
   switch (a.kv) {
     case 2: return launch<2>(a);
     case 3: return launch<3>(a);
