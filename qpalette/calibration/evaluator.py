@@ -5,7 +5,15 @@ perturbed one onward (docs/method.md §4, §8).
 blocks get: masks, rotary embeddings) and runs the unperturbed model once: for the reference
 log-probs of the KL (kept, or the final hidden states when the log-probs do not fit
 `cache_ref_bytes`), or, with loss "ce", for its mean next-token cross-entropy on the tokens
-(`base_nll`). `advance_to(j)` moves the cached inputs forward, unperturbed, to the input of block
+(`base_nll`).
+
+With a plain head (logits = W·norm(h): a bias-free Linear, no soft-capping) the reference p enters
+the KL of a perturbed block only through two per-token moments: with l = W·ĥ the perturbed
+logits, KL(p ‖ softmax(l)) = Σ_v p_v log p_v − (pᵀW)·ĥ + logsumexp(l). `prepare` keeps those
+(`ReferenceMoments`, computed in full float32 once), so an evaluation is one head matmul and one
+logsumexp instead of two heads and four vocabulary-wide float32 passes (a third of calibrate's
+time on a Llama-3.1-8B: results/pipeline_8b). The head's own evaluations (W perturbed) take the
+general formula against a saved copy of the original W. `advance_to(j)` moves the cached inputs forward, unperturbed, to the input of block
 j; `mean_kl()` / `mean_nll()` then run blocks j.. of the current (perturbed) model only.
 
 The blocks may sit on different devices (a model split over several GPUs by accelerate,
@@ -123,17 +131,83 @@ def block_input(model, ids):
     return box["h"], box["kw"]
 
 
-def final_logits(model, h: torch.Tensor) -> torch.Tensor:
+def final_logits(model, h: torch.Tensor, head_weight: torch.Tensor | None = None) -> torch.Tensor:
     """lm_head of the final norm of the last block's output, soft-capped where the model caps its
     logits (Gemma-2's final_logit_softcapping); `h` is moved to the norm's device, the normed
-    states to the head's."""
+    states to the head's. `head_weight` replaces a Linear head's weight (its saved original)."""
     norm = model.model.norm
     h = norm(h.to(module_device(norm, h.device)))
-    logits = model.lm_head(h.to(module_device(model.lm_head, h.device)))
+    h = h.to(module_device(model.lm_head, h.device))
+    logits = model.lm_head(h) if head_weight is None else F.linear(h, head_weight, model.lm_head.bias)
     cap = getattr(model.config, "final_logit_softcapping", None)
     if cap:
         logits = torch.tanh(logits / cap) * cap
     return logits
+
+
+def plain_head_weight(model) -> torch.Tensor | None:
+    """The lm_head weight W when the logits are exactly W·norm(h) (a bias-free nn.Linear, no
+    soft-capping), else None."""
+    head = model.lm_head
+    if type(head) is torch.nn.Linear and head.bias is None and not getattr(model.config, "final_logit_softcapping", None):
+        return head.weight
+    return None
+
+
+class ReferenceMoments:
+    """Per chunk of tokens, what the KL needs of the reference distribution p under a plain head:
+    `neg_entropy` Σ_v p_v log p_v (tokens,) and `mean_row` pᵀW (tokens, hidden), float32 (float64
+    for a float64 model), from an exact-product copy of W."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.dtype = torch.promote_types(weight.dtype, torch.float32)
+        self.weight = weight.detach().to(self.dtype, copy=True)  # the original, while the head is perturbed
+        # bfloat16/float16 values are exact in TF32, so its products are exact there: fast and as
+        # precise as float32 (accumulation is float32 either way); float32 models keep the
+        # process's own setting (the user's --dtype)
+        self.tf32_exact = weight.dtype in (torch.bfloat16, torch.float16)
+        self.neg_entropy: list[torch.Tensor] = []
+        self.mean_row: list[torch.Tensor] = []
+
+    def logits(self, normed: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """W·ĥ for the normed final states (tokens, hidden), in self.dtype; `weight`: the head's
+        current (perturbed) weight instead of the original."""
+        x = normed.to(self.weight.device, self.dtype)
+        w = self.weight if weight is None else weight.to(self.dtype)
+        if not (x.is_cuda and self.tf32_exact):
+            return x @ w.T
+        saved = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = True
+        try:
+            return x @ w.T
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = saved
+
+    def add_reference(self, normed: torch.Tensor) -> None:
+        logp = torch.log_softmax(self.logits(normed), dim=-1)
+        p = logp.exp()
+        self.neg_entropy.append((p * logp).sum(-1))
+        del logp
+        saved = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False  # pᵀW once, in full float32
+        try:
+            self.mean_row.append(p @ self.weight)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = saved
+
+    def head_kl_sum(self, normed: torch.Tensor, weight: torch.Tensor) -> float:
+        """Σ over the tokens of KL(p ‖ softmax(W'·ĥ)) for a perturbed head W' (ĥ unperturbed): the
+        general formula, the reference from the saved original W."""
+        ref = torch.log_softmax(self.logits(normed), dim=-1)
+        lq = torch.log_softmax(self.logits(normed, weight), dim=-1)
+        return float(torch.nn.functional.kl_div(lq, ref, log_target=True, reduction="sum").double())
+
+    def kl_sum(self, i: int, normed: torch.Tensor) -> float:
+        """Σ over chunk i's tokens of KL(p ‖ softmax(W·ĥ))."""
+        x = normed.to(self.weight.device, self.dtype)
+        lse = torch.logsumexp(self.logits(x), dim=-1)
+        kl = self.neg_entropy[i] - (self.mean_row[i] * x).sum(-1) + lse
+        return float(kl.sum().double())
 
 
 class BlockEvaluator:
@@ -153,6 +227,8 @@ class BlockEvaluator:
         self.block = 0
         self.final = []  # unperturbed final hidden states, when the reference log-probs do not fit
         self.ref_lp = None
+        self.moments = None  # ReferenceMoments under a plain head
+        self._head_ref = None  # the head's original weight, when the references are recomputed
         self.base_nll = None  # mean next-token CE of the model as prepared (loss "ce")
         self._cache_ref_bytes = cache_ref_bytes
 
@@ -169,9 +245,18 @@ class BlockEvaluator:
             self.base_nll = self.mean_nll()
             return
         self.final = [self._run_blocks(0, h) for h in self.hidden]
+        weight = plain_head_weight(self.model)
+        if weight is not None:
+            self.moments = ReferenceMoments(weight)
+            for h in self.final:
+                self.moments.add_reference(self._normed(h))
+            self.final = None
+            return
         if self.n_tokens * self.head.out_features * 4 <= self._cache_ref_bytes:
             self.ref_lp = [self._logprobs(h) for h in self.final]
             self.final = None
+        elif isinstance(self.head, torch.nn.Linear):  # the references are recomputed: keep the head's original
+            self._head_ref = self.head.weight.detach().clone()
 
     def _run_blocks(self, start: int, h):
         kw = self.kwargs[h.shape[0]]
@@ -179,8 +264,13 @@ class BlockEvaluator:
             h = block_output(self.blocks[j](h.to(self.block_devices[j]), **kw[j]))
         return h
 
-    def _logprobs(self, h):
-        logits = final_logits(self.model, h)
+    def _normed(self, h) -> torch.Tensor:
+        """The final norm of a last-block output, flattened to (tokens, hidden)."""
+        norm = self.model.model.norm
+        return norm(h.to(module_device(norm, h.device))).flatten(0, -2)
+
+    def _logprobs(self, h, head_weight: torch.Tensor | None = None):
+        logits = final_logits(self.model, h, head_weight)
         if logits.dtype not in (torch.float32, torch.float64):
             logits = logits.float()
         return F.log_softmax(logits, dim=-1)
@@ -201,9 +291,16 @@ class BlockEvaluator:
     def mean_kl(self) -> float:
         """Mean per-token KL of the current model (perturbed in block ≥ self.block) from the reference."""
         total = 0.0
+        if self.moments is not None:
+            for i, h in enumerate(self.hidden):
+                if self.block < len(self.blocks):
+                    total += self.moments.kl_sum(i, self._normed(self._run_blocks(self.block, h)))
+                else:  # the head itself is perturbed; the cached inputs are the final states
+                    total += self.moments.head_kl_sum(self._normed(h), self.head.weight)
+            return total / self.n_tokens
         for i, h in enumerate(self.hidden):
             lp = self._logprobs(self._run_blocks(self.block, h))
-            ref = self.ref_lp[i] if self.ref_lp is not None else self._logprobs(self.final[i])
+            ref = self.ref_lp[i] if self.ref_lp is not None else self._logprobs(self.final[i], self._head_ref)
             total += float(F.kl_div(lp, ref, log_target=True, reduction="sum").double())
             del lp, ref
         return total / self.n_tokens
