@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import torch
@@ -65,6 +66,18 @@ def resolve_dtype(name: str, device: torch.device, auto_cuda: str = "float16") -
         torch.backends.cuda.matmul.allow_tf32 = name == "tf32"
         torch.backends.cudnn.allow_tf32 = name == "tf32"
     return _DTYPES[name]
+
+
+@contextlib.contextmanager
+def tf32_matmuls(enabled: bool):
+    """TensorFloat-32 matmuls (cuBLAS and cuDNN) on or off inside the block, the caller's settings
+    back after."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def dtype_name(dtype: torch.dtype) -> str:

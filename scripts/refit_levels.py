@@ -3,7 +3,7 @@ from them: how many noise levels `qpalette calibrate` needs (results/calibrate_s
 A run with --levels L measures t = i/L, i.e. levels 16i/L of the 16-level files, with the same
 noise direction and tokens, so the refits are what shorter runs give.
 
-    python scripts/refit_levels.py [OUT_DIR]   # default /tmp/levels2 → OUT_DIR/out.json
+    python scripts/refit_levels.py [OUT_DIR]   # default ./refit_levels → OUT_DIR/out.json
 """
 import json
 import os
@@ -17,7 +17,7 @@ import qpalette
 from qpalette.calibration.noise import fit_through_origin, noise_levels
 
 R = "results/calibrate_smollm2/"
-OUT = sys.argv[1] if len(sys.argv) > 1 else "/tmp/levels2"
+OUT = sys.argv[1] if len(sys.argv) > 1 else "refit_levels"
 os.makedirs(OUT, exist_ok=True)
 docs = [json.load(open(R + f"sens_gpu_8k_seed{s}.json")) for s in (0, 1)]
 names = list(docs[0]["layers"])

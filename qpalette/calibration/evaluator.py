@@ -24,10 +24,12 @@ tables) on its own device, the final norm and lm_head theirs.
 from __future__ import annotations
 
 import functools
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
 
+from qpalette.devices import tf32_matmuls
 from qpalette.errors import CalibrationError
 
 
@@ -131,12 +133,17 @@ def block_input(model, ids):
     return box["h"], box["kw"]
 
 
+def final_norm(model, h: torch.Tensor) -> torch.Tensor:
+    """The final norm of the last block's output, on the norm's device."""
+    norm = model.model.norm
+    return norm(h.to(module_device(norm, h.device)))
+
+
 def final_logits(model, h: torch.Tensor, head_weight: torch.Tensor | None = None) -> torch.Tensor:
     """lm_head of the final norm of the last block's output, soft-capped where the model caps its
     logits (Gemma-2's final_logit_softcapping); `h` is moved to the norm's device, the normed
     states to the head's. `head_weight` replaces a Linear head's weight (its saved original)."""
-    norm = model.model.norm
-    h = norm(h.to(module_device(norm, h.device)))
+    h = final_norm(model, h)
     h = h.to(module_device(model.lm_head, h.device))
     logits = model.lm_head(h) if head_weight is None else F.linear(h, head_weight, model.lm_head.bias)
     cap = getattr(model.config, "final_logit_softcapping", None)
@@ -175,27 +182,22 @@ class ReferenceMoments:
         current (perturbed) weight instead of the original."""
         x = normed.to(self.weight.device, self.dtype)
         w = self.weight if weight is None else weight.to(self.dtype)
-        if not (x.is_cuda and self.tf32_exact):
+        with tf32_matmuls(True) if x.is_cuda and self.tf32_exact else nullcontext():
             return x @ w.T
-        saved = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = True
-        try:
-            return x @ w.T
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = saved
 
     def add_reference(self, normed: torch.Tensor) -> None:
-        logp = torch.log_softmax(self.logits(normed), dim=-1)
+        x = normed.to(self.weight.device, self.dtype)
+        logits = self.logits(x)
+        lse = torch.logsumexp(logits, dim=-1)  # as kl_sum will compute it: the baseline is bit-exact
+        logp = torch.log_softmax(logits, dim=-1)
+        del logits
         p = logp.exp()
         self.neg_entropy.append((p * logp).sum(-1))
         del logp
-        saved = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = False  # pᵀW once, in full float32
-        try:
+        with tf32_matmuls(False):  # pᵀW once, in full float32
             self.mean_row.append(p @ self.weight)
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = saved
-        self.baseline.append(self._token_kl(len(self.baseline), normed))
+        i = len(self.baseline)
+        self.baseline.append(self._token_kl(i, x, lse))
 
     def head_kl_sum(self, normed: torch.Tensor, weight: torch.Tensor) -> float:
         """Σ over the tokens of KL(p ‖ softmax(W'·ĥ)) for a perturbed head W' (ĥ unperturbed): the
@@ -204,14 +206,17 @@ class ReferenceMoments:
         lq = torch.log_softmax(self.logits(normed, weight), dim=-1)
         return float(torch.nn.functional.kl_div(lq, ref, log_target=True, reduction="sum").double())
 
-    def _token_kl(self, i: int, normed: torch.Tensor) -> torch.Tensor:
-        x = normed.to(self.weight.device, self.dtype)
-        return self.neg_entropy[i] - (self.mean_row[i] * x).sum(-1) + torch.logsumexp(self.logits(x), dim=-1)
+    def _token_kl(self, i: int, x: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        """Per-token Σ p log p − (pᵀW)·ĥ + logsumexp(W·ĥ) of chunk i; x: ĥ in self.dtype, lse: the
+        logsumexp of its logits."""
+        return self.neg_entropy[i] - (self.mean_row[i] * x).sum(-1) + lse
 
     def kl_sum(self, i: int, normed: torch.Tensor) -> float:
         """Σ over chunk i's tokens of KL(p ‖ softmax(W·ĥ)), less the same expression's value at the
         reference (its float rounding, ~1e-7): an unchanged output gives exactly 0."""
-        return float((self._token_kl(i, normed) - self.baseline[i]).sum().double())
+        x = normed.to(self.weight.device, self.dtype)
+        lse = torch.logsumexp(self.logits(x), dim=-1)
+        return float((self._token_kl(i, x, lse) - self.baseline[i]).sum().double())
 
 
 class BlockEvaluator:
@@ -270,8 +275,7 @@ class BlockEvaluator:
 
     def _normed(self, h) -> torch.Tensor:
         """The final norm of a last-block output, flattened to (tokens, hidden)."""
-        norm = self.model.model.norm
-        return norm(h.to(module_device(norm, h.device))).flatten(0, -2)
+        return final_norm(self.model, h).flatten(0, -2)
 
     def _logprobs(self, h, head_weight: torch.Tensor | None = None):
         logits = final_logits(self.model, h, head_weight)

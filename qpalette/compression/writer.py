@@ -38,7 +38,7 @@ from qpalette.compression.card import model_card
 from qpalette.compression.layout import resolve_layout
 from qpalette.compression.source import SourceCheckpoint, half_dtype
 from qpalette.config import CompressConfig
-from qpalette.devices import resolve_device, resolve_devices
+from qpalette.devices import resolve_device, resolve_devices, tf32_matmuls
 from qpalette.distributed import (
     Group,
     check_devices,
@@ -412,12 +412,8 @@ def exact_float32():
     """Full-precision float32 matmuls while quantizing, whatever the process set before (calibrate
     turns TF32 on for its whole process): the same bytes from a fresh process and from one that
     calibrated first. The caller's settings come back after."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
+    with tf32_matmuls(False):
         yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def compress_rank(group: Group, opts: CompressOptions, log: Callable[[str], None] = print) -> dict | None:

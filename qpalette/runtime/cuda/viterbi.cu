@@ -228,41 +228,34 @@ int launch(const ViterbiArgs& a) {
   return cudaGetLastError();
 }
 
+// f(std::integral_constant<int, KV>) for the KV = 2..10 the kernel is built for.
+template <class F>
+int with_kv(int kv, F&& f) {
+  switch (kv) {
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    case 8: return f(std::integral_constant<int, 8>{});
+    case 9: return f(std::integral_constant<int, 9>{});
+    case 10: return f(std::integral_constant<int, 10>{});
+    default: return NOT_BUILT;
+  }
+}
+
 }  // namespace
 
 int viterbi_plan(int kv, int q, int num_sms, int n_tiles, int* grid, long long* scratch_bytes) {
   if (q < 1 || q > 11 || n_tiles < 1 || num_sms < 1) return UNSUPPORTED;
-#define QP_PLAN(K) plan<K>(q, num_sms, n_tiles, grid, scratch_bytes)
-  switch (kv) {
-    case 2: return QP_PLAN(2);
-    case 3: return QP_PLAN(3);
-    case 4: return QP_PLAN(4);
-    case 5: return QP_PLAN(5);
-    case 6: return QP_PLAN(6);
-    case 7: return QP_PLAN(7);
-    case 8: return QP_PLAN(8);
-    case 9: return QP_PLAN(9);
-    case 10: return QP_PLAN(10);
-    default: return NOT_BUILT;
-  }
-#undef QP_PLAN
+  return with_kv(kv, [&](auto k) { return plan<decltype(k)::value>(q, num_sms, n_tiles, grid, scratch_bytes); });
 }
 
 int viterbi(const ViterbiArgs& a) {
   if (a.n_tiles == 0) return OK;
   if (a.q < 1 || a.q > 11 || a.grid < 1) return UNSUPPORTED;
-  switch (a.kv) {
-    case 2: return launch<2>(a);
-    case 3: return launch<3>(a);
-    case 4: return launch<4>(a);
-    case 5: return launch<5>(a);
-    case 6: return launch<6>(a);
-    case 7: return launch<7>(a);
-    case 8: return launch<8>(a);
-    case 9: return launch<9>(a);
-    case 10: return launch<10>(a);
-    default: return NOT_BUILT;
-  }
+  return with_kv(a.kv, [&](auto k) { return launch<decltype(k)::value>(a); });
 }
 
 }  // namespace qp
