@@ -80,6 +80,13 @@ def tf32_matmuls(enabled: bool):
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
+def peak_gpu_bytes(devices: list[torch.device]) -> int | None:
+    """The largest of torch's peak allocations on these devices (None without a GPU among them):
+    what a run needed, unlike the card-sized pools a run may reserve."""
+    peaks = [torch.cuda.max_memory_allocated(d) for d in devices if d.type == "cuda"]
+    return max(peaks) if peaks else None
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,8 +27,9 @@ class PartialRun:
     tokens_path: Path
     header: dict | None = None
     layers: dict[str, dict] = field(default_factory=dict)  # name → measured layer entry
-    timing: dict = field(default_factory=dict)  # this session's, saved with every layer
+    timing: dict = field(default_factory=dict)  # every session's so far, saved with every layer
     timing_prev: dict = field(default_factory=dict)  # the earlier sessions'
+    session_start: float = field(default_factory=time.perf_counter)
     tokens: torch.Tensor | None = None
 
     @classmethod
@@ -72,6 +74,16 @@ class PartialRun:
         os.replace(tmp, self.tokens_path)
         self.header, self.tokens = header, tokens
         self.save()
+
+    def clock(self, layers_s: float, peak_gpu_bytes: int | None) -> None:
+        """Add this session's seconds (its layers', and the whole session's until now) to the
+        earlier sessions' in `timing`, so that an interrupted session's time is kept too; the peak
+        GPU allocation is the largest of every session's."""
+        prev = self.timing_prev
+        self.timing["layers_s"] = round(prev.get("layers_s", 0.0) + layers_s, 3)
+        self.timing["total_s"] = round(prev.get("total_s", 0.0) + time.perf_counter() - self.session_start, 3)
+        peaks = [p for p in (prev.get("peak_gpu_bytes"), peak_gpu_bytes) if p is not None]
+        self.timing["peak_gpu_bytes"] = max(peaks) if peaks else None
 
     def save(self) -> None:
         doc = {"format": PARTIAL_FORMAT, "header": self.header, "layers": self.layers}

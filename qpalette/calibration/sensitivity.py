@@ -41,7 +41,7 @@ from qpalette.calibration.noise import Settings, fit_through_origin, layer_delta
 from qpalette.calibration.placement import Split, device_budgets, model_units, place
 from qpalette.calibration.resume import PartialRun
 from qpalette.config import CalibrateConfig
-from qpalette.devices import DTYPE_NAMES, dtype_name, resolve_devices, resolve_dtype
+from qpalette.devices import DTYPE_NAMES, dtype_name, peak_gpu_bytes, resolve_devices, resolve_dtype
 from qpalette.distributed import (
     Group,
     check_devices,
@@ -244,15 +244,17 @@ def measure_share(group: Group, model, tokens: torch.Tensor, todo: list[str], se
 
 
 def measure_layers(group: Group, opts: CalibrateOptions, run: PartialRun, todo: list[str], n_layers: int,
-                   settings: Settings, shapes: dict[str, list[int]], model, device) -> float:
+                   settings: Settings, shapes: dict[str, list[int]], model, device) -> None:
     """Rank 0's part of the measurement: its share of `todo`, and every rank's layers fitted and
-    saved in the resume file as their round ends. Returns the seconds taken."""
+    saved in the resume file as their round ends, the session's time and memory clocked in run.timing."""
     ts = noise_levels(opts.levels, opts.t_max)
+    held_on = list({p.device for p in model.parameters()})  # this process's devices: several for a split model
 
     def record(name: str, dkl: list[float], seconds: float) -> None:
         a, r2 = fit_through_origin(ts, dkl)
         run.layers[name] = {"a": a, "r2": r2, "shape": shapes[name], f"delta_{settings.loss}": dkl,
                             "seconds": round(seconds, 3)}
+        run.clock(time.perf_counter() - t0, peak_gpu_bytes(held_on))
         run.save()
 
     bar = progress_bar(len(todo) * opts.levels, "calibrate", "eval", opts.progress)
@@ -270,22 +272,19 @@ def measure_layers(group: Group, opts: CalibrateOptions, run: PartialRun, todo: 
             "(the batch size only sets how many sequences run at once)") from None
     finally:
         bar.close()
-    return time.perf_counter() - t0
+    run.clock(time.perf_counter() - t0, peak_gpu_bytes(held_on))
 
 
-def document(opts: CalibrateOptions, run: PartialRun, names: list[str], layers_s: float, session_s: float) -> dict:
+def document(opts: CalibrateOptions, run: PartialRun, names: list[str]) -> dict:
     """The sensitivity file: header, the recipe (`config`: the last session's; a resumed run keeps
     the header's settings, its batch size and dtype may differ), per-layer fits, median R², timing
-    over every session."""
-    prev = run.timing_prev
+    over every session (`run.timing`, clocked)."""
     layers = {n: run.layers[n] for n in names}
     timing = {
         **run.timing,
-        "layers_s": round(prev.get("layers_s", 0.0) + layers_s, 3),
-        "total_s": round(prev.get("total_s", 0.0) + session_s, 3),
         "mean_layer_s": round(statistics.fmean(v["seconds"] for v in layers.values()), 4),
         "evaluations": len(names) * opts.levels,
-        "resumed": bool(prev),
+        "resumed": bool(run.timing_prev),
     }
     return {"format": FORMAT, **run.header, "config": CalibrateConfig.of(opts).to_dict(), "n_layers": len(names),
             "median_r2": statistics.median(v["r2"] for v in layers.values()),
@@ -399,6 +398,7 @@ def calibrate_rank(group: Group, opts: CalibrateOptions, model_dir: Path | None,
     shapes = {n: list(m.weight.shape) for n, m, _b in layers}
     del layers
     run = open_run(opts, len(names), log)
+    run.session_start = t_start  # the session's time includes loading the model
 
     t_data = time.perf_counter()
     if run.tokens is None:
@@ -418,9 +418,8 @@ def calibrate_rank(group: Group, opts: CalibrateOptions, model_dir: Path | None,
     else:
         devices, where = [devices[d] for d in sorted(set(split.where))], "split"
     run.timing = _timing(opts, run, dtype, batch, sampling_s, devices, where)
-    layers_s = measure_layers(group, opts, run, todo, len(names), settings, shapes, model, device)
-
-    doc = document(opts, run, names, layers_s, time.perf_counter() - t_start)
+    measure_layers(group, opts, run, todo, len(names), settings, shapes, model, device)
+    doc = document(opts, run, names)
     atomic_write_json(Path(opts.output), doc)
     run.remove()
     return doc

@@ -38,7 +38,7 @@ from qpalette.compression.card import model_card
 from qpalette.compression.layout import resolve_layout
 from qpalette.compression.source import SourceCheckpoint, half_dtype
 from qpalette.config import CompressConfig
-from qpalette.devices import resolve_device, resolve_devices, tf32_matmuls
+from qpalette.devices import peak_gpu_bytes, resolve_device, resolve_devices, tf32_matmuls
 from qpalette.distributed import (
     Group,
     check_devices,
@@ -381,7 +381,7 @@ def rank_record(job: Job, shards: int) -> dict:
     """This rank's line of the report."""
     cuda = job.device.type == "cuda"
     return {"device": str(job.device), "name": torch.cuda.get_device_name(job.device) if cuda else "cpu",
-            "shards": shards, "peak_gpu_bytes": torch.cuda.max_memory_allocated(job.device) if cuda else None}
+            "shards": shards, "peak_gpu_bytes": peak_gpu_bytes([job.device])}
 
 
 def compress(opts: CompressOptions, log: Callable[[str], None] = print) -> dict | None:

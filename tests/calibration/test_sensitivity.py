@@ -194,9 +194,9 @@ def _opts(model_dir, out, **kw):
     return CalibrateOptions(**base)
 
 
-def test_calibrate_output_schema(tiny_llama_dir, tmp_path):
+def test_calibrate_output_schema(tiny_llama_dir, tmp_path, device):
     out = tmp_path / "sens.json"
-    doc = calibrate(_opts(tiny_llama_dir, out), log=lambda m: None)
+    doc = calibrate(_opts(tiny_llama_dir, out, devices=[str(device)]), log=lambda m: None)
     disk = json.loads(out.read_text())
     assert disk["format"] == "qpalette.sensitivity/1" and disk == doc
     assert disk["protocol"] == "data-free" and disk["tokens"] == 4 * 32 and disk["levels"] == 4
@@ -204,6 +204,8 @@ def test_calibrate_output_schema(tiny_llama_dir, tmp_path):
     v = disk["layers"]["model.layers.0.self_attn.k_proj"]
     assert v["shape"] == [32, 64] and v["a"] > 0 and len(v["delta_kl"]) == 4 and v["r2"] <= 1
     assert disk["timing"]["total_s"] > 0 and disk["timing"]["evaluations"] == 15 * 4
+    peak = disk["timing"]["peak_gpu_bytes"]  # torch's peak allocation, GPUs only
+    assert peak is None if device.type == "cpu" else peak > 4 * 32 * 257 * 2
     assert not (tmp_path / "sens.json.partial.json").exists()
 
 
@@ -224,6 +226,9 @@ def test_resume_after_interruption(tiny_llama_dir, tmp_path, monkeypatch):
         calibrate(_opts(tiny_llama_dir, out), log=lambda m: None)
     partial = json.loads((tmp_path / "sens.json.partial.json").read_text())
     assert len(partial["layers"]) == 5
+    # the interrupted session's time is kept, to be added to the next session's
+    before = partial["timing"]
+    assert 0 < before["layers_s"] <= before["total_s"]
     # a new run without --resume refuses to clobber the unfinished one
     with pytest.raises(CalibrationError, match="unfinished"):
         calibrate(_opts(tiny_llama_dir, out), log=lambda m: None)
@@ -235,6 +240,8 @@ def test_resume_after_interruption(tiny_llama_dir, tmp_path, monkeypatch):
     doc = calibrate(_opts(tiny_llama_dir, out, resume=True), log=lambda m: None)
     assert calls["n"] == 15 - 5  # only the unfinished layers were measured again
     assert doc["timing"]["resumed"] is True
+    assert doc["timing"]["layers_s"] > before["layers_s"] and doc["timing"]["total_s"] > before["total_s"]
+    assert sum(v["seconds"] for v in doc["layers"].values()) <= doc["timing"]["layers_s"]
     for n, v in full["layers"].items():
         assert doc["layers"][n]["a"] == pytest.approx(v["a"], rel=1e-9), n
     assert not (tmp_path / "sens.json.partial.json").exists()
