@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from qpalette.quant.bitpack import unpack_bits
 from qpalette.quant.palette import PALETTE, get_quantizer
 from qpalette.runtime import lanes, ops
 from qpalette.runtime.kernel_build import source_dir
@@ -49,6 +50,23 @@ def test_padding_tiles_are_zero_and_real_bits_move():
     packed = lanes.pack_codes(t["codes"])
     assert packed.shape == (1, 2, 128)
     assert not torch.equal(packed[0, 0], t["codes"][0, :8].reshape(-1))  # a real permutation
+
+
+def test_kv6_words_put_a_tiles_first_window_in_the_low_half():
+    """TCQ KV = 6 lane words are [b2 y b0 b1]: the low 16 bits are the tile's first 16 stream bits
+    (its first trellis state), for the 6 tiles that own a word; the other formats keep the stream."""
+    assert lanes.kv6_names("tcq-3.0") == ("codes",) and lanes.kv6_names("tcq-2.0") == ()
+    assert lanes.kv6_names("half-tcq-3.25") == ("codes_a",) and lanes.kv6_names("half-tcq-2.75") == ("codes_b",)
+    codes = get_quantizer("tcq-3.0").random_tensors(16, 16 * 8, torch.Generator().manual_seed(4))["codes"]
+    words = lanes.pack_codes(codes, kv6=True)[0, 0]
+    bits = unpack_bits(codes[0]).reshape(8, 32, 24)  # tile, lane, the lane's own bits
+    for lane in (0, 17, 31):
+        for j in range(6):
+            word = int(words[lanes.block_order(6)[lane * 6 + j]]) & 0xFFFFFFFF
+            first = int("".join(str(int(b)) for b in bits[j, lane, :16]), 2)
+            assert word & 0xFFFF == first, (lane, j)
+    assert torch.equal(lanes.unpack_codes(lanes.pack_codes(codes, kv6=True), 8, 24, kv6=True), codes)
+    assert not torch.equal(lanes.pack_codes(codes, kv6=True), lanes.pack_codes(codes))
 
 
 @pytest.fixture(scope="module")

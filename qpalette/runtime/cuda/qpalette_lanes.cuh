@@ -3,9 +3,10 @@
 // warp on the same source (tests/runtime/lanes_emulator.cpp); no PyTorch headers.
 //
 // A group is 8 tiles of one row tile. Lane ℓ holds WPG = W/4 words of it: its own W bits of each
-// tile (tile stream bits ℓ·W .. ℓ·W + W), tile 0 first, MSB first. TCQ windows that run past a
-// lane's own bits continue in lane ℓ+1's (lane 31 → lane 0: the tail-biting wrap); the kernel
-// passes those words in `nb`, fetched by one shuffle a word.
+// tile (tile stream bits ℓ·W .. ℓ·W + W), tile 0 first, MSB first (TCQ with KV = 6: those bytes
+// reordered, lanes.KV6_BYTES). TCQ windows that run past a lane's own bits continue in lane ℓ+1's
+// (lane 31 → lane 0: the tail-biting wrap); the kernel passes those words in `nb`, fetched by one
+// shuffle a word.
 //
 // Tables live in shared memory, entry e's copy c at word e·C + c (C copies, lane ℓ reads copy
 // ℓ mod C, so a warp's lookups never conflict while C = 32). TCQ tables are sign-folded: entries
@@ -138,6 +139,20 @@ struct TcqLanes {
       s[1] = x >> 12;
       s[2] = x >> 8;
       s[3] = x >> 4;
+    } else if constexpr (KV == 6) {  // word j < 6 = [b2 y b0 b1] of tile j; tiles 6, 7 in the y bytes (lanes.py)
+      uint32_t w, h;
+      if constexpr (U < 6) {
+        w = c[U], h = nb[U];
+      } else {  // [b2 . b0 b1] from the y bytes of words 3(U−6) .. 3(U−6)+2
+        constexpr int J = 3 * (U - 6);
+        w = byte_perm(byte_perm(c[J], c[J + 1], 0x0026u), c[J + 2], 0x6010u);
+        h = byte_perm(byte_perm(nb[J], nb[J + 1], 0x0026u), nb[J + 2], 0x6010u);
+      }
+      const uint32_t v = byte_perm(w, h, 0x0354u);  // [b1 b2 h0 h1]
+      s[0] = w;                      // stream bits 0..15: [b0 b1]
+      s[1] = (w << 6) | (w >> 26);   // 6..21: a rotate
+      s[2] = v >> 12;                // 12..27
+      s[3] = v >> 6;                 // 18..33
     } else {
       // hi:lo = own W bits, then lane ℓ+1's bits of the same tile
       const uint32_t own = lane_field<WPG>(c, P, 32, 0);
