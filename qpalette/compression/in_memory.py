@@ -23,12 +23,15 @@ from qpalette.runtime.loading import is_quantized
 
 
 def quantize_model(model, plan_file: Path | None, config: CompressConfig, *, hessians: str | Path | None = None,
-                   device: str = "auto"):
+                   device: str = "auto", random_codes: bool = False):
     """Quantize `model` (a transformers causal LM) in place and return it: with `config.scheme`
     for every layer, or the plan in `plan_file`, on the layers `config.targets`/`ignore` choose
-    (models/walk.py); LDLQ on the `hessians` folder when given; `device`: where to quantize."""
+    (models/walk.py); LDLQ on the `hessians` folder when given; `device`: where to quantize;
+    `random_codes`: random code words instead of the quantizer's (speed measurements only)."""
     if is_quantized(model):
         raise InputError("this model is already quantized")
+    if random_codes and hessians is not None:
+        raise InputError("random codes and Hessians exclude each other: random codes skip the quantizer")
     cfg = model.config.to_dict()
     try:
         check_config(cfg)
@@ -43,9 +46,9 @@ def quantize_model(model, plan_file: Path | None, config: CompressConfig, *, hes
     for block in range(cfg["num_hidden_layers"]):
         coded = None if hess is None else code_blocks(src, {block: hess.load(block)}, layers, layout, dev,
                                                       config.damp)[block]
-        tensors.update(quantize_block(src, block, layers, layout, dev, half, coded=coded))
+        tensors.update(quantize_block(src, block, layers, layout, dev, half, random_codes=random_codes, coded=coded))
     head_h = hess.load(cfg["num_hidden_layers"]) if hess is not None and HEAD in layout.layers else None
-    tensors.update(other_tensors(src, cfg, layout, dev, half, hessians=head_h, damp=config.damp))
+    tensors.update(other_tensors(src, cfg, layout, dev, half, random_codes, hessians=head_h, damp=config.damp))
     where, dtype = model.device, model.dtype
     if HEAD in layout.layers:
         model.config.tie_word_embeddings = False  # the embedding stays 16-bit, lm_head gets its codes

@@ -5,16 +5,18 @@ matrices are the row-concatenated layers) and lm_head (group `head`) and every p
 `ops.quantized_matmul` call at each batch size (qpalette.kernel_timing: CUDA-graph replay,
 weights cycled through enough copies to defeat L2). Groups of equal shape are measured once.
 
-The constant per-step overhead (`constant_s`) is what a decode step costs outside the linear
-layers: the FP16 model built from its config with random weights, timed in `qpalette bench`'s
-forward loop (compiled, CUDA graphs, static cache: the GPU's time per token), minus the FP16
-time of its linear layers measured like the groups (cuBLAS, per block, summed). Predictions
-made from a profile are therefore forward-loop tok/s; transformers' `generate` adds its
-per-token host work on top (`qpalette bench` reports both). Online Hadamard transforms are
-part of a quantized model's step but not of FP16's: their time (4 per block) is added to
-`constant_s` and reported separately as `rotation_s`. The 16-bit lm_head is part of `constant_s`
-too (`lm_head_s`); a plan that quantizes it swaps that for the `head` group's time and the head's
-rotation (`lm_head_rotation_s`, `LatencyProfile.with_quantized_head`).
+The constant per-step overhead (`constant_s`) is what a decode step costs outside the quantized
+matmuls, measured inside a model: the model of the config with random weights and every block's
+linear layer ANCHOR (tcq-2.0, random codes, fused as `compress` fuses), timed in `qpalette bench`'s
+forward loop (compiled, CUDA graphs, static cache: the GPU's time per token), minus the isolated
+times of its matmuls measured like the groups. It therefore holds the online rotations as the
+runtime runs them (fused into the matmul at batch 1), attention, norms, the 16-bit lm_head, and
+the gaps between kernels inside a model that isolated kernel times miss. The same model with
+lm_head quantized too gives `constant_quantized_head_s`, which a plan that quantizes the head uses
+(`LatencyProfile.with_quantized_head`). Predictions made from a profile are forward-loop tok/s;
+transformers' `generate` adds its per-token host work on top (`qpalette bench` reports both). The
+FP16 model's step and the isolated FP16 linear, rotation and head times are kept in `constant`
+for reports.
 
 Entry point for the CLI: `run_profile(model, batch_sizes, out_dir, ...)` → paths written.
 """
@@ -39,6 +41,7 @@ from qpalette.planning.inputs import LATENCY_FORMAT
 from qpalette.quant.palette import PALETTE, get_quantizer
 
 PARTIAL_FORMAT = "qpalette.latency-partial/1"
+ANCHOR = "tcq-2.0"  # the entry of the quantized model whose measured step anchors constant_s
 
 
 def load_model_config(model: str) -> tuple[dict, str]:
@@ -123,17 +126,37 @@ def rotation_time(cfg: dict, batch: int, dtype: torch.dtype) -> float:
     return d["blocks"] * sum(t[n] for n in sizes)
 
 
-def fp16_decode_step_time(cfg: dict, batch: int, dtype: torch.dtype, prompt_len: int = 64,
-                          steps: int = 64) -> tuple[float, str]:
-    """Seconds of one decode step of the FP16 model (random weights) in `qpalette bench`'s forward
-    loop (torch.compile, CUDA graphs, static cache); eager if compiling fails (said in the method)."""
+def random_model(cfg: dict, dtype: torch.dtype, device: str = "cuda"):
+    """The model of `cfg` with random weights, built on `device`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    hf_cfg = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k not in ("architectures",)})
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype).eval()
+
+
+def anchor_model(cfg: dict, dtype: torch.dtype, lm_head: bool, device: str = "cuda"):
+    """`random_model` with every block's linear layer ANCHOR (and lm_head when asked), random codes,
+    fused as `compress` fuses them: the quantized model whose step `measure_constant` times."""
+    from qpalette.compression.in_memory import quantize_model
+    from qpalette.config import CompressConfig
+
+    return quantize_model(random_model(cfg, dtype, device), None, CompressConfig(scheme=ANCHOR, lm_head=lm_head),
+                          device=device, random_codes=True)
+
+
+def kernel_calls(model) -> list[tuple[int, int]]:
+    """(out, in) of every quantized matmul one step of `model` calls (a fused group is one call)."""
+    from qpalette.runtime.modules import QuantizedLinear
+
+    return [(m.out_features, m.in_features) for m in model.modules() if isinstance(m, QuantizedLinear)]
+
+
+def decode_step_time(model, batch: int, prompt_len: int = 64, steps: int = 64) -> tuple[float, str]:
+    """Seconds of one decode step of `model` in `qpalette bench`'s forward loop (torch.compile,
+    CUDA graphs, static cache); eager if compiling fails (said in the method). Frees the model."""
     from qpalette.measure.bench import decode_loop_step_time
 
-    hf_cfg = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k not in ("architectures",)})
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype).eval()
     try:
         step, method = decode_loop_step_time(model, batch, prompt_len, steps, True, 0), "compiled forward loop"
     except Exception as e:  # noqa: BLE001 — transformers/torch versions differ in what compiles
@@ -146,6 +169,17 @@ def fp16_decode_step_time(cfg: dict, batch: int, dtype: torch.dtype, prompt_len:
     return step, method
 
 
+def anchor_step(cfg: dict, batch: int, dtype: torch.dtype, lm_head: bool) -> tuple[float, float]:
+    """(step, the isolated kernel time of its quantized matmuls) of the ANCHOR model."""
+    model = anchor_model(cfg, dtype, lm_head)
+    calls = kernel_calls(model)
+    step, _method = decode_step_time(model, batch)
+    del model
+    torch.cuda.empty_cache()
+    kernels = {s: kernel_timing.time_quantized(ANCHOR, *s, [batch], dtype)[0][batch] for s in set(calls)}
+    return step, sum(kernels[s] for s in calls)
+
+
 def _require_kernels() -> None:
     if not torch.cuda.is_available():
         raise KernelError("qpalette profile measures CUDA kernels: no CUDA device is available")
@@ -156,23 +190,31 @@ def _require_kernels() -> None:
 
 
 def measure_constant(cfg: dict, batch: int, dtype: torch.dtype, say=_say) -> tuple[float, dict]:
-    """(constant_s, its parts): the FP16 step minus its linear layers, plus the rotations."""
+    """(constant_s, its parts). constant_s: the step of the model with every block's layer ANCHOR
+    and a 16-bit lm_head, minus the isolated times of its quantized matmuls; the same with lm_head
+    quantized too gives `constant_quantized_head_s`. So the constant holds what the runtime does
+    around its matmuls (rotations fused or not, attention, norms, the 16-bit head) and the gaps
+    between kernels inside a model, which isolated kernel times miss. The FP16 step and the
+    isolated FP16, rotation and head times are kept as parts (reports, older profiles)."""
     try:
-        step, method = fp16_decode_step_time(cfg, batch, dtype)
+        step16, linear16 = anchor_step(cfg, batch, dtype, lm_head=False)
+        step_qh, linear_qh = anchor_step(cfg, batch, dtype, lm_head=True)
+        fp16_step, method = decode_step_time(random_model(cfg, dtype), batch)
     except Exception as e:  # noqa: BLE001 — reported with the way out
-        raise KernelError(f"measuring the FP16 decode step failed ({type(e).__name__}: {e}); "
+        raise KernelError(f"measuring a decode step failed ({type(e).__name__}: {e}); "
                           "rerun with constant=False to keep only kernel timings") from e
-    lin = fp16_linear_time(cfg, batch, dtype)
-    rot = rotation_time(cfg, batch, dtype)
-    const = max(step - lin, 0.0) + rot
+    const, const_qh = max(step16 - linear16, 0.0), max(step_qh - linear_qh, 0.0)
     d = architecture.dims(cfg)
     head = kernel_timing.time_fp16(d["vocab"], d["hidden"], [batch], dtype)[batch]
     head_rot = kernel_timing.time_rotate(d["hidden"], [batch], dtype)[batch]
-    say(f"  batch {batch}: FP16 step {step * 1e3:.3f} ms ({method}), linear {lin * 1e3:.3f} ms, "
-        f"rotations {rot * 1e3:.3f} ms → constant {const * 1e3:.3f} ms (of it the 16-bit lm_head "
-        f"{head * 1e3:.3f} ms)")
-    return const, {"fp16_step_s": step, "fp16_linear_s": lin, "rotation_s": rot, "step_method": method,
-                   "lm_head_s": head, "lm_head_rotation_s": head_rot}
+    say(f"  batch {batch}: {ANCHOR} model step {step16 * 1e3:.3f} ms (its matmuls {linear16 * 1e3:.3f} ms) → "
+        f"constant {const * 1e3:.3f} ms; with lm_head {ANCHOR} {step_qh * 1e3:.3f} ms → {const_qh * 1e3:.3f} ms; "
+        f"FP16 step {fp16_step * 1e3:.3f} ms ({method})")
+    return const, {"anchor": ANCHOR, "anchor_step_s": step16, "anchor_linear_s": linear16,
+                   "anchor_head_step_s": step_qh, "anchor_head_linear_s": linear_qh,
+                   "constant_quantized_head_s": const_qh, "fp16_step_s": fp16_step,
+                   "fp16_linear_s": fp16_linear_time(cfg, batch, dtype), "rotation_s": rotation_time(cfg, batch, dtype),
+                   "step_method": method, "lm_head_s": head, "lm_head_rotation_s": head_rot}
 
 
 def profile_document(label: str, batch: int, constant: tuple[float, dict], shapes: dict, groups: dict,

@@ -189,10 +189,12 @@ class LatencyProfile:
         return bool(self.groups.get("head")) and "lm_head_s" in (self.meta.get("constant") or {})
 
     def with_quantized_head(self) -> "LatencyProfile":
-        """This profile for a plan that quantizes lm_head: constant_s without the 16-bit head's
-        time and with the head's own rotation (the head's kernel is then one of the plan's calls)."""
+        """This profile for a plan that quantizes lm_head (the head's kernel is then one of the
+        plan's calls): the constant measured with a quantized head, or, in profiles from before it
+        was measured, constant_s without the 16-bit head's time and with the head's own rotation."""
         parts = self.meta["constant"]
-        const = self.constant_s - parts["lm_head_s"] + parts.get("lm_head_rotation_s", 0.0)
+        const = parts.get("constant_quantized_head_s",
+                          self.constant_s - parts["lm_head_s"] + parts.get("lm_head_rotation_s", 0.0))
         return replace(self, constant_s=max(const, 0.0))
 
     def to_dict(self) -> dict:

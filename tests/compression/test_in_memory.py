@@ -56,3 +56,25 @@ def test_bad_requests(tiny_llama_dir):
         model.model.layers[1].mlp.up_proj.weight[0, 0] = float("nan")
     with pytest.raises(QpaletteError, match="NaN"):
         qpalette.quantize(model, "nuq-4")
+
+
+def test_random_codes_in_memory_equal_compress_random_codes(tmp_path):
+    """The speed-measurement models (`qpalette profile`'s anchor): in memory, the same random codes
+    as `compress --random-codes` then load; with Hessians, refused."""
+    from qpalette.compression.in_memory import quantize_model
+    from qpalette.config import CompressConfig
+
+    src = make_tiny_llama(tmp_path / "src", vocab_size=272)
+    qpalette.compress(str(src), "tcq-2.0", tmp_path / "q", lm_head=True, device="cpu", quiet=True, random_codes=True)
+    loaded, _ = load_model(tmp_path / "q", "cpu")
+    model, _ = load_model(src, "cpu")
+    quantize_model(model, None, CompressConfig(scheme="tcq-2.0", lm_head=True), device="cpu", random_codes=True)
+    mine, theirs = model.state_dict(), loaded.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    plain, _ = load_model(src, "cpu")
+    quantize_model(plain, None, CompressConfig(scheme="tcq-2.0", lm_head=True), device="cpu")
+    codes = "model.layers.0.mlp.down_proj.codes"
+    assert not torch.equal(plain.state_dict()[codes], mine[codes])
+    with pytest.raises(QpaletteError, match="random codes"):
+        quantize_model(load_model(src, "cpu")[0], None, CompressConfig(scheme="tcq-2.0"), hessians=tmp_path,
+                       random_codes=True)

@@ -41,3 +41,56 @@ def test_profile_cli_without_gpu_is_a_message(tiny_llama_dir):
     assert res.exit_code == 2 and "no CUDA device" in res.output and "Traceback" not in res.output
     res = CliRunner().invoke(app, ["profile", str(tiny_llama_dir), "--palette", "tcq-9"])
     assert res.exit_code == 2 and "unknown quantizer" in res.output
+
+
+def _tiny_cfg(tiny_llama_dir, **changes) -> dict:
+    cfg, _ = load_model_config(str(tiny_llama_dir))
+    return {**cfg, **changes}
+
+
+def test_the_anchor_model_calls_one_kernel_a_fused_group(tiny_llama_dir):
+    """The quantized model whose step anchors the constant: every block's layer ANCHOR, q/k/v and
+    gate/up fused (one call each), lm_head one more call when quantized."""
+    from collections import Counter
+
+    from qpalette.measure import profile
+
+    cfg = _tiny_cfg(tiny_llama_dir, vocab_size=256, bos_token_id=255, eos_token_id=255)  # head rows: whole tiles
+    calls = Counter(profile.kernel_calls(profile.anchor_model(cfg, torch.float32, lm_head=False, device="cpu")))
+    assert calls == {(128, 64): 2, (64, 64): 2, (256, 64): 2, (64, 128): 2}  # qkv, o, gateup, down × 2 blocks
+    head = Counter(profile.kernel_calls(profile.anchor_model(cfg, torch.float32, lm_head=True, device="cpu")))
+    assert head - calls == {(256, 64): 1}
+    from qpalette.runtime.modules import QuantizedLinear
+
+    model = profile.anchor_model(cfg, torch.float32, lm_head=False, device="cpu")
+    assert {m.quantizer.name for m in model.modules() if isinstance(m, QuantizedLinear)} == {profile.ANCHOR}
+
+
+def test_the_constant_is_the_anchor_step_less_its_matmuls(tiny_llama_dir, monkeypatch):
+    from qpalette.measure import profile
+
+    steps = {False: (5e-3, 3e-3), True: (4.5e-3, 3.2e-3)}  # (step, its matmuls) without / with lm_head
+    monkeypatch.setattr(profile, "anchor_step", lambda cfg, b, dtype, lm_head: steps[lm_head])
+    monkeypatch.setattr(profile, "random_model", lambda cfg, dtype: None)
+    monkeypatch.setattr(profile, "decode_step_time", lambda model, b: (7e-3, "compiled forward loop"))
+    monkeypatch.setattr(profile, "fp16_linear_time", lambda cfg, b, dtype: 6e-3)
+    monkeypatch.setattr(profile, "rotation_time", lambda cfg, b, dtype: 8e-4)
+    monkeypatch.setattr(profile.kernel_timing, "time_fp16", lambda r, c, bs, dtype: {b: 4e-4 for b in bs})
+    monkeypatch.setattr(profile.kernel_timing, "time_rotate", lambda n, bs, dtype: {b: 5e-6 for b in bs})
+    const, parts = profile.measure_constant(_tiny_cfg(tiny_llama_dir), 1, torch.float16, say=lambda m: None)
+    assert const == pytest.approx(2e-3) and parts["constant_quantized_head_s"] == pytest.approx(1.3e-3)
+    assert parts["anchor"] == profile.ANCHOR and parts["fp16_step_s"] == 7e-3 and parts["lm_head_s"] == 4e-4
+
+
+@pytest.mark.gpu
+def test_measure_constant_on_a_gpu(tiny_llama_dir):
+    from qpalette.measure import profile
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    const, parts = profile.measure_constant(_tiny_cfg(tiny_llama_dir, vocab_size=256, bos_token_id=255, eos_token_id=255),
+                                            1, torch.float16,
+                                            say=print)
+    assert 0 < parts["anchor_linear_s"] < parts["anchor_step_s"] and const == pytest.approx(
+        parts["anchor_step_s"] - parts["anchor_linear_s"])
+    assert parts["anchor_head_linear_s"] > parts["anchor_linear_s"]  # one more call: the head

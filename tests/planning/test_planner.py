@@ -291,6 +291,16 @@ def test_lm_head_is_planned_under_a_speed_budget(tmp_path):
     assert kept.totals["latency_s"] == pytest.approx(sum(b.latency_s for b in kept.blocks) + prof["constant_s"])
 
 
+def test_a_measured_quantized_head_constant_is_used(tmp_path):
+    """Profiles that measured the step with a quantized lm_head price such plans with that constant."""
+    sens, lat, prof = _smollm2_with_head_inputs(tmp_path)
+    prof["constant"]["constant_quantized_head_s"] = 7e-4
+    (tmp_path / "lat.json").write_text(json.dumps(prof))
+    p = plan(str(tmp_path), ["150tok/s"], sensitivity=sens, latency_profile=lat)
+    assert "lm_head" in p.layers
+    assert p.totals["latency_s"] == pytest.approx(sum(b.latency_s for b in p.blocks) + 7e-4)
+
+
 def test_lm_head_under_memory_budgets(tmp_path):
     """Bits budgets keep the head 16-bit unless asked; asked, its weights count in the average and
     (tied to the embedding, which stays) its codes add bytes."""
