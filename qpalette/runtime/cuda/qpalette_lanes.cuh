@@ -45,6 +45,15 @@ QP_HD uint32_t field(uint32_t a, uint32_t b, int pos, int len, int shl) {
   return r >= 0 ? static_cast<uint32_t>(v >> r) : static_cast<uint32_t>(v << (-r));
 }
 
+// the top 32 bits of (hi:lo) << n, 0 < n < 32: one funnel shift
+QP_HD uint32_t funnel_l(uint32_t lo, uint32_t hi, int n) {
+#ifdef __CUDA_ARCH__
+  return __funnelshift_l(lo, hi, n);
+#else
+  return (hi << n) | (lo >> (32 - n));
+#endif
+}
+
 // `field` over a lane's WPG words (words past the end read as 0).
 template <int WPG>
 QP_HD uint32_t lane_field(const uint32_t* c, int pos, int len, int shl) {
@@ -153,6 +162,13 @@ struct TcqLanes {
       s[1] = (w << 6) | (w >> 26);   // 6..21: a rotate
       s[2] = v >> 12;                // 12..27
       s[3] = v >> 6;                 // 18..33
+    } else if constexpr (HALO == 1 && TW < 32) {  // KV 5, 7: the own bits right-aligned, the halo's on top
+      const uint32_t own = lane_field<WPG>(c, P, TW, 0), halo = lane_field<WPG>(nb, P, 32, 0);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int n = KV * k + 16 - TW;  // halo bits in window k
+        s[k] = n <= 0 ? own >> -n : funnel_l(halo, own, n);
+      }
     } else {
       // hi:lo = own W bits, then lane ℓ+1's bits of the same tile
       const uint32_t own = lane_field<WPG>(c, P, 32, 0);
@@ -161,10 +177,6 @@ struct TcqLanes {
         const uint32_t m1 = ~((1u << (32 - TW)) - 1u), m2 = ~((1u << (32 - 2 * TW)) - 1u);
         hi = (own & m1) | ((lane_field<WPG>(nb, P, 32, 0) >> TW) & m2 & ~m1) |
              (lane_field<WPG>(nb + WPG, P, 32, 0) >> (2 * TW));
-      } else if constexpr (TW < 32) {
-        const uint32_t halo = lane_field<WPG>(nb, P, 32, 0);
-        hi = (own & ~((1u << (32 - TW)) - 1u)) | (halo >> TW);
-        if constexpr (3 * KV + 16 > 32) lo = halo << (32 - TW);
       } else if constexpr (TW == 32) {
         lo = nb[P >> 5];
       } else {  // TW > 32: hi is all own bits; lo continues with own bits, then the halo
