@@ -169,27 +169,20 @@ struct TcqLanes {
         const int n = KV * k + 16 - TW;  // halo bits in window k
         s[k] = n <= 0 ? own >> -n : funnel_l(halo, own, n);
       }
-    } else {
-      // hi:lo = own W bits, then lane ℓ+1's bits of the same tile
-      const uint32_t own = lane_field<WPG>(c, P, 32, 0);
-      uint32_t hi = own, lo = 0;
-      if constexpr (HALO == 2) {  // own, lane ℓ+1's and lane ℓ+2's bits: all windows end by bit 25
-        const uint32_t m1 = ~((1u << (32 - TW)) - 1u), m2 = ~((1u << (32 - 2 * TW)) - 1u);
-        hi = (own & m1) | ((lane_field<WPG>(nb, P, 32, 0) >> TW) & m2 & ~m1) |
-             (lane_field<WPG>(nb + WPG, P, 32, 0) >> (2 * TW));
-      } else if constexpr (TW == 32) {
-        lo = nb[P >> 5];
-      } else {  // TW > 32: hi is all own bits; lo continues with own bits, then the halo
-        const int rest = TW - 32;
-        const uint32_t own2 = lane_field<WPG>(c, P + 32, 32, 0);
-        const uint32_t halo = lane_field<WPG>(nb, P, 32, 0);
-        lo = (own2 & ~((1u << (32 - rest)) - 1u)) | (halo >> rest);
-      }
+    } else if constexpr (TW >= 32) {  // KV ≥ 8: own bits 0..31, the last 32 own bits, the halo's on top
+      const uint32_t first = lane_field<WPG>(c, P, 32, 0), last = lane_field<WPG>(c, P + TW - 32, 32, 0);
+      const uint32_t halo = lane_field<WPG>(nb, P, 32, 0);
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        const int r = 48 - k * KV;  // window = (hi:lo) >> r
-        s[k] = r >= 32 ? hi >> (r - 32) : static_cast<uint32_t>(((static_cast<uint64_t>(hi) << 32) | lo) >> r);
+        const int end = KV * k + 16;  // window k = stream bits [end − 16, end)
+        s[k] = end <= 32 ? first >> (32 - end) : end <= TW ? last >> (TW - end) : funnel_l(halo, last, end - TW);
       }
+    } else {  // KV 2, 3: own bits, lane ℓ+1's and lane ℓ+2's in one word; all windows end by bit 25
+      const uint32_t m1 = ~((1u << (32 - TW)) - 1u), m2 = ~((1u << (32 - 2 * TW)) - 1u);
+      const uint32_t x = (lane_field<WPG>(c, P, 32, 0) & m1) | ((lane_field<WPG>(nb, P, 32, 0) >> TW) & m2 & ~m1) |
+                         (lane_field<WPG>(nb + WPG, P, 32, 0) >> (2 * TW));
+#pragma unroll
+      for (int k = 0; k < 4; ++k) s[k] = x >> (16 - k * KV);
     }
   }
   template <int U>
