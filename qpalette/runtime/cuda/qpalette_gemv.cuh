@@ -354,7 +354,12 @@ __device__ __forceinline__ void gemv_body(const GemvParams& p) {
   auto load_item = [&](uint32_t (&c)[NG][WMAX], int it) {
 #pragma unroll
     for (int g = 0; g < NG; ++g) {
-      if (!gv[g]) continue;
+      if (!gv[g]) {  // past the K end: zero codes (one decoder decodes them against zero activations)
+        if (!PR::TWO)
+#pragma unroll
+          for (int q = 0; q < WMAX; ++q) c[g][q] = 0u;
+        continue;
+      }
       const uint4* blk = gp[g] + it * gstride[g];
       if (PR::TWO && gb[g]) load_group<DB::WPG>(c[g], blk, lane);
       else load_group<DA::WPG>(c[g], blk, lane);
@@ -408,9 +413,14 @@ __device__ __forceinline__ void gemv_body(const GemvParams& p) {
         float a0[4] = {0.f, 0.f, 0.f, 0.f}, a1[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int g = 0; g < NG; ++g) {
-          if (!gv[g]) continue;
-          if (PR::TWO && gb[g]) group_mma<DB, T>(code[rr][g], lane, lut, lanebits, bx + 8 * g, a0, a1);
-          else group_mma<DA, T>(code[rr][g], lane, lut, lanebits, bx + 8 * g, a0, a1);
+          if (PR::TWO) {  // half-TCQ: a branch a group (without, its wide halves spill registers)
+            if (!gv[g]) continue;
+            if (gb[g]) group_mma<DB, T>(code[rr][g], lane, lut, lanebits, bx + 8 * g, a0, a1);
+            else group_mma<DA, T>(code[rr][g], lane, lut, lanebits, bx + 8 * g, a0, a1);
+          } else {  // every group, valid or not (zero codes against zero activations): one
+                    // straight-line block whose groups the scheduler can interleave
+            group_mma<DA, T>(code[rr][g], lane, lut, lanebits, bx + 8 * g, a0, a1);
+          }
         }
         red[((buf * RR + rr) * nw + warp) * 32 + lane] =
             make_float4(a0[0] + a1[0], a0[1] + a1[1], a0[2] + a1[2], a0[3] + a1[3]);
