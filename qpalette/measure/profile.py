@@ -23,6 +23,7 @@ Entry point for the CLI: `run_profile(model, batch_sizes, out_dir, ...)` → pat
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import time
@@ -36,6 +37,7 @@ from qpalette.errors import InputError, KernelError, UnsupportedShape
 from qpalette.fileio import atomic_write, output_lock, read_json_object
 from qpalette.measure import timing as kernel_timing
 from qpalette.models import topology as architecture
+from qpalette.models.experts import is_expert_layer
 from qpalette.models.topology import GROUPS
 from qpalette.planning.inputs import LATENCY_FORMAT
 from qpalette.quant.palette import PALETTE, get_quantizer
@@ -154,30 +156,57 @@ def kernel_calls(model) -> list[tuple[int, int]]:
 
 def decode_step_time(model, batch: int, prompt_len: int = 64, steps: int = 64) -> tuple[float, str]:
     """Seconds of one decode step of `model` in `qpalette bench`'s forward loop (torch.compile,
-    CUDA graphs, static cache); eager if compiling fails (said in the method). Frees the model."""
+    CUDA graphs, static cache); eager if compiling fails (said in the method)."""
     from qpalette.measure.bench import decode_loop_step_time
 
     try:
-        step, method = decode_loop_step_time(model, batch, prompt_len, steps, True, 0), "compiled forward loop"
+        return decode_loop_step_time(model, batch, prompt_len, steps, True, 0), "compiled forward loop"
     except Exception as e:  # noqa: BLE001 — transformers/torch versions differ in what compiles
         torch._dynamo.reset()
-        step = decode_loop_step_time(model, batch, prompt_len, steps, False, 0)
-        method = f"eager forward loop (compile failed: {type(e).__name__}: {str(e)[:200]})"
-    del model
+        return (decode_loop_step_time(model, batch, prompt_len, steps, False, 0),
+                f"eager forward loop (compile failed: {type(e).__name__}: {str(e)[:200]})")
+
+
+def _release() -> None:
+    """Free what the last measured model held (compiled graphs, CUDA memory) before the next."""
+    gc.collect()
     torch._dynamo.reset()
     torch.cuda.empty_cache()
-    return step, method
 
 
-def anchor_step(cfg: dict, batch: int, dtype: torch.dtype, lm_head: bool) -> tuple[float, float]:
-    """(step, the isolated kernel time of its quantized matmuls) of the ANCHOR model."""
+def anchor_step(cfg: dict, batch: int, dtype: torch.dtype, lm_head: bool) -> tuple[float, float, str]:
+    """(step, the isolated kernel time of its quantized matmuls, how the step ran) of the ANCHOR model."""
     model = anchor_model(cfg, dtype, lm_head)
     calls = kernel_calls(model)
-    step, _method = decode_step_time(model, batch)
+    step, method = decode_step_time(model, batch)
     del model
-    torch.cuda.empty_cache()
+    _release()
     kernels = {s: kernel_timing.time_quantized(ANCHOR, *s, [batch], dtype)[0][batch] for s in set(calls)}
-    return step, sum(kernels[s] for s in calls)
+    return step, sum(kernels[s] for s in calls), method
+
+
+def head_quantizable(cfg: dict) -> bool:
+    d = architecture.dims(cfg)
+    try:
+        get_quantizer(ANCHOR).check_shape(d["vocab"], d["hidden"])
+    except UnsupportedShape:
+        return False
+    return True
+
+
+def anchor_parts(cfg: dict, batch: int, dtype: torch.dtype, say=_say) -> dict:
+    """The anchor models' steps and their matmuls: with a 16-bit lm_head, and with a quantized one
+    where ANCHOR can code its shape."""
+    step, linear, method = anchor_step(cfg, batch, dtype, lm_head=False)
+    parts = {"anchor": ANCHOR, "anchor_step_s": step, "anchor_linear_s": linear, "anchor_step_method": method,
+             "constant_s": max(step - linear, 0.0)}
+    if head_quantizable(cfg):
+        step, linear, method = anchor_step(cfg, batch, dtype, lm_head=True)
+        parts |= {"anchor_head_step_s": step, "anchor_head_linear_s": linear, "anchor_head_step_method": method,
+                  "constant_quantized_head_s": max(step - linear, 0.0)}
+    else:
+        say(f"  lm_head's shape cannot take {ANCHOR}: the quantized-head constant is derived, not measured")
+    return parts
 
 
 def _require_kernels() -> None:
@@ -194,27 +223,31 @@ def measure_constant(cfg: dict, batch: int, dtype: torch.dtype, say=_say) -> tup
     and a 16-bit lm_head, minus the isolated times of its quantized matmuls; the same with lm_head
     quantized too gives `constant_quantized_head_s`. So the constant holds what the runtime does
     around its matmuls (rotations fused or not, attention, norms, the 16-bit head) and the gaps
-    between kernels inside a model, which isolated kernel times miss. The FP16 step and the
-    isolated FP16, rotation and head times are kept as parts (reports, older profiles)."""
+    between kernels inside a model, which isolated kernel times miss. Mixture-of-experts models
+    (whose experts run as grouped launches of the routed slots, and which speed plans refuse) keep
+    the FP16 step less its linear layers plus the isolated rotations. The FP16 step and the isolated
+    FP16, rotation and head times are kept as parts (reports, older profiles)."""
+    d = architecture.dims(cfg)
+    parts = {"fp16_linear_s": fp16_linear_time(cfg, batch, dtype), "rotation_s": rotation_time(cfg, batch, dtype),
+             "lm_head_s": kernel_timing.time_fp16(d["vocab"], d["hidden"], [batch], dtype)[batch],
+             "lm_head_rotation_s": kernel_timing.time_rotate(d["hidden"], [batch], dtype)[batch]}
+    moe = any(is_expert_layer(l.name) for l in architecture.linear_layers(cfg))
     try:
-        step16, linear16 = anchor_step(cfg, batch, dtype, lm_head=False)
-        step_qh, linear_qh = anchor_step(cfg, batch, dtype, lm_head=True)
-        fp16_step, method = decode_step_time(random_model(cfg, dtype), batch)
+        model = random_model(cfg, dtype)
+        parts["fp16_step_s"], parts["step_method"] = decode_step_time(model, batch)
+        del model
+        _release()
+        if not moe:
+            parts |= anchor_parts(cfg, batch, dtype, say)
     except Exception as e:  # noqa: BLE001 — reported with the way out
         raise KernelError(f"measuring a decode step failed ({type(e).__name__}: {e}); "
                           "rerun with constant=False to keep only kernel timings") from e
-    const, const_qh = max(step16 - linear16, 0.0), max(step_qh - linear_qh, 0.0)
-    d = architecture.dims(cfg)
-    head = kernel_timing.time_fp16(d["vocab"], d["hidden"], [batch], dtype)[batch]
-    head_rot = kernel_timing.time_rotate(d["hidden"], [batch], dtype)[batch]
-    say(f"  batch {batch}: {ANCHOR} model step {step16 * 1e3:.3f} ms (its matmuls {linear16 * 1e3:.3f} ms) → "
-        f"constant {const * 1e3:.3f} ms; with lm_head {ANCHOR} {step_qh * 1e3:.3f} ms → {const_qh * 1e3:.3f} ms; "
-        f"FP16 step {fp16_step * 1e3:.3f} ms ({method})")
-    return const, {"anchor": ANCHOR, "anchor_step_s": step16, "anchor_linear_s": linear16,
-                   "anchor_head_step_s": step_qh, "anchor_head_linear_s": linear_qh,
-                   "constant_quantized_head_s": const_qh, "fp16_step_s": fp16_step,
-                   "fp16_linear_s": fp16_linear_time(cfg, batch, dtype), "rotation_s": rotation_time(cfg, batch, dtype),
-                   "step_method": method, "lm_head_s": head, "lm_head_rotation_s": head_rot}
+    const = parts.pop("constant_s", max(parts["fp16_step_s"] - parts["fp16_linear_s"], 0.0) + parts["rotation_s"])
+    say(f"  batch {batch}: constant {const * 1e3:.3f} ms ("
+        + (f"{ANCHOR} model step {parts['anchor_step_s'] * 1e3:.3f} ms, its matmuls "
+           f"{parts['anchor_linear_s'] * 1e3:.3f} ms" if not moe else "mixture of experts: FP16 step based")
+        + f"); FP16 step {parts['fp16_step_s'] * 1e3:.3f} ms ({parts['step_method']})")
+    return const, parts
 
 
 def profile_document(label: str, batch: int, constant: tuple[float, dict], shapes: dict, groups: dict,
@@ -313,7 +346,7 @@ def run_profile(model: str, batch_sizes: list[int] | None = None, out_dir: str |
     stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(str(label)).name.lower())
     paths = {m: Path(out_dir) / f"latency_{stem}_b{m}.json" for m in batch_sizes}
     header = {"model": str(label), "shapes": {g: list(s) for g, s in shapes.items()}, "entries": entries,
-              "batch_sizes": batch_sizes, "dtype": dtype, "constant": constant,
+              "batch_sizes": batch_sizes, "dtype": dtype, "constant": constant, "constant_anchor": ANCHOR,
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda}
     with ExitStack() as locks:
         for path in sorted(set(paths.values())):  # one order: two runs cannot each hold a part

@@ -31,6 +31,15 @@ _LEGACY_NAMES = (
 )
 
 
+#: an expert's projection (unfuse_experts names them …experts.<i>.<proj>)
+_EXPERT_LAYER = re.compile(r"\.experts\.\d+\.")
+
+
+def is_expert_layer(name: str) -> bool:
+    """Whether the layer `name` is one routed expert's projection."""
+    return _EXPERT_LAYER.search(name) is not None
+
+
 def module_name(stored: str) -> str:
     """The module-tree name of a checkpoint tensor (Mixtral's per-expert names → ours)."""
     for pattern, repl in _LEGACY_NAMES:

@@ -28,11 +28,11 @@ latency budget (continuous data) is tightened up front by SCIP's relative feasib
 from __future__ import annotations
 
 import math
-import re
 import time
 from dataclasses import dataclass, field
 
 from qpalette.errors import InfeasibleBudget, InputError, ModelError, PlanError, UnsupportedShape
+from qpalette.models.experts import is_expert_layer
 from qpalette.models.topology import (
     FUSED_GROUPS,
     GROUPS,
@@ -155,10 +155,6 @@ def build_problem(
     )
 
 
-#: an expert's projection (models/experts.py names them …experts.<i>.<proj>)
-_EXPERT_LAYER = re.compile(r"\.experts\.\d+\.")
-
-
 def _check_inputs(layers, a, quantizers, err, latency: LatencyProfile | None, use_latency: bool) -> None:
     if len(a) != len(layers):
         raise PlanError("one sensitivity per layer expected")
@@ -167,7 +163,7 @@ def _check_inputs(layers, a, quantizers, err, latency: LatencyProfile | None, us
         raise InputError(f"the distortion table has no entry for {', '.join(missing)}")
     if use_latency and latency is None:
         raise PlanError("a speed budget needs a latency profile (--latency-profile)")
-    routed = next((l.name for l in layers if _EXPERT_LAYER.search(l.name)), None)
+    routed = next((l.name for l in layers if is_expert_layer(l.name)), None)
     if use_latency and routed:
         raise PlanError(f"speed budgets are not modelled for mixture-of-experts models ({routed} is an "
                         "expert): a token runs only the experts its router picks, in one grouped launch, "

@@ -69,7 +69,7 @@ def test_the_anchor_model_calls_one_kernel_a_fused_group(tiny_llama_dir):
 def test_the_constant_is_the_anchor_step_less_its_matmuls(tiny_llama_dir, monkeypatch):
     from qpalette.measure import profile
 
-    steps = {False: (5e-3, 3e-3), True: (4.5e-3, 3.2e-3)}  # (step, its matmuls) without / with lm_head
+    steps = {False: (5e-3, 3e-3, "compiled forward loop"), True: (4.5e-3, 3.2e-3, "compiled forward loop")}
     monkeypatch.setattr(profile, "anchor_step", lambda cfg, b, dtype, lm_head: steps[lm_head])
     monkeypatch.setattr(profile, "random_model", lambda cfg, dtype: None)
     monkeypatch.setattr(profile, "decode_step_time", lambda model, b: (7e-3, "compiled forward loop"))
@@ -77,9 +77,20 @@ def test_the_constant_is_the_anchor_step_less_its_matmuls(tiny_llama_dir, monkey
     monkeypatch.setattr(profile, "rotation_time", lambda cfg, b, dtype: 8e-4)
     monkeypatch.setattr(profile.kernel_timing, "time_fp16", lambda r, c, bs, dtype: {b: 4e-4 for b in bs})
     monkeypatch.setattr(profile.kernel_timing, "time_rotate", lambda n, bs, dtype: {b: 5e-6 for b in bs})
-    const, parts = profile.measure_constant(_tiny_cfg(tiny_llama_dir), 1, torch.float16, say=lambda m: None)
+    monkeypatch.setattr(profile, "_release", lambda: None)
+    cfg = _tiny_cfg(tiny_llama_dir, vocab_size=256, bos_token_id=255, eos_token_id=255)
+    const, parts = profile.measure_constant(cfg, 1, torch.float16, say=lambda m: None)
     assert const == pytest.approx(2e-3) and parts["constant_quantized_head_s"] == pytest.approx(1.3e-3)
     assert parts["anchor"] == profile.ANCHOR and parts["fp16_step_s"] == 7e-3 and parts["lm_head_s"] == 4e-4
+    # a vocabulary ANCHOR cannot code (257 rows): no quantized-head constant, the planner derives it
+    said = []
+    const, parts = profile.measure_constant(_tiny_cfg(tiny_llama_dir), 1, torch.float16, say=said.append)
+    assert const == pytest.approx(2e-3) and "constant_quantized_head_s" not in parts
+    assert any("derived" in m for m in said)
+    # mixture of experts: the FP16 step less its linear layers, plus the rotations; no anchor model
+    moe = _tiny_cfg(tiny_llama_dir, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)
+    const, parts = profile.measure_constant(moe, 1, torch.float16, say=lambda m: None)
+    assert const == pytest.approx(7e-3 - 6e-3 + 8e-4) and "anchor" not in parts
 
 
 @pytest.mark.gpu
