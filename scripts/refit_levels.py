@@ -65,7 +65,7 @@ for k in ("16", "4,8,12,16", "8,16"):
            "loss_a0_16": sum(a0[m] * L.err for m, L in p.layers.items()),
            "loss_a1_16": sum(a1[m] * L.err for m, L in p.layers.items()),
            "same_as_16": sum(assign[k][m] == assign["16"][m] for m in assign[k]),
-           "solver": p.solver if hasattr(p, "solver") else None}
+           "solver": p.solver}
     res["plans"][k] = row
     print("plan", k, row)
 json.dump(res, open(f"{OUT}/out.json", "w"), indent=1, default=str)

@@ -204,7 +204,7 @@ class ReferenceMoments:
         general formula, the reference from the saved original W."""
         ref = torch.log_softmax(self.logits(normed), dim=-1)
         lq = torch.log_softmax(self.logits(normed, weight), dim=-1)
-        return float(torch.nn.functional.kl_div(lq, ref, log_target=True, reduction="sum").double())
+        return float(F.kl_div(lq, ref, log_target=True, reduction="sum").double())
 
     def _token_kl(self, i: int, x: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
         """Per-token Σ p log p − (pᵀW)·ĥ + logsumexp(W·ĥ) of chunk i; x: ĥ in self.dtype, lse: the

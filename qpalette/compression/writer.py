@@ -407,15 +407,6 @@ def compress(opts: CompressOptions, log: Callable[[str], None] = print) -> dict 
         return read_json_object(Path(opts.output) / REPORT_FILE, "compress report", CompressError)
 
 
-@contextlib.contextmanager
-def exact_float32():
-    """Full-precision float32 matmuls while quantizing, whatever the process set before (calibrate
-    turns TF32 on for its whole process): the same bytes from a fresh process and from one that
-    calibrated first. The caller's settings come back after."""
-    with tf32_matmuls(False):
-        yield
-
-
 def compress_rank(group: Group, opts: CompressOptions, log: Callable[[str], None] = print) -> dict | None:
     """One rank's part of the run (the whole run on one device): rank 0 opens OUT.partial, every
     rank writes its share of the missing shards, rank 0 gathers their records and finishes.
@@ -438,7 +429,10 @@ def compress_rank(group: Group, opts: CompressOptions, log: Callable[[str], None
             "use a GPU (--device cuda) for real models")
     if job.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(job.device)
-    with exact_float32():
+    # full-precision float32 matmuls while quantizing, whatever the process set before (calibrate
+    # with --dtype tf32 turns TF32 on for its process): the same bytes from a fresh process and from
+    # one that calibrated first; the caller's settings come back after
+    with tf32_matmuls(False):
         own = write_shards(job, done, prior_s)
     records = group.gather((own, rank_record(job, len(job.mine))))
     if not group.main:

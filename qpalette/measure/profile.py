@@ -174,14 +174,17 @@ def _release() -> None:
     torch.cuda.empty_cache()
 
 
-def anchor_step(cfg: dict, batch: int, dtype: torch.dtype, lm_head: bool) -> tuple[float, float, str]:
-    """(step, the isolated kernel time of its quantized matmuls, how the step ran) of the ANCHOR model."""
+def anchor_step(cfg: dict, batch: int, dtype: torch.dtype, lm_head: bool,
+                kernels: dict[tuple[int, int], float]) -> tuple[float, float, str]:
+    """(step, the isolated kernel time of its quantized matmuls, how the step ran) of the ANCHOR
+    model; `kernels` (shape → seconds) keeps the kernel timings for the next anchor model."""
     model = anchor_model(cfg, dtype, lm_head)
     calls = kernel_calls(model)
     step, method = decode_step_time(model, batch)
     del model
     _release()
-    kernels = {s: kernel_timing.time_quantized(ANCHOR, *s, [batch], dtype)[0][batch] for s in set(calls)}
+    for shape in set(calls) - kernels.keys():
+        kernels[shape] = kernel_timing.time_quantized(ANCHOR, *shape, [batch], dtype)[0][batch]
     return step, sum(kernels[s] for s in calls), method
 
 
@@ -197,11 +200,11 @@ def head_quantizable(cfg: dict) -> bool:
 def anchor_parts(cfg: dict, batch: int, dtype: torch.dtype, say=_say) -> dict:
     """The anchor models' steps and their matmuls: with a 16-bit lm_head, and with a quantized one
     where ANCHOR can code its shape."""
-    step, linear, method = anchor_step(cfg, batch, dtype, lm_head=False)
-    parts = {"anchor": ANCHOR, "anchor_step_s": step, "anchor_linear_s": linear, "anchor_step_method": method,
-             "constant_s": max(step - linear, 0.0)}
+    kernels: dict[tuple[int, int], float] = {}
+    step, linear, method = anchor_step(cfg, batch, dtype, False, kernels)
+    parts = {"anchor": ANCHOR, "anchor_step_s": step, "anchor_linear_s": linear, "anchor_step_method": method}
     if head_quantizable(cfg):
-        step, linear, method = anchor_step(cfg, batch, dtype, lm_head=True)
+        step, linear, method = anchor_step(cfg, batch, dtype, True, kernels)
         parts |= {"anchor_head_step_s": step, "anchor_head_linear_s": linear, "anchor_head_step_method": method,
                   "constant_quantized_head_s": max(step - linear, 0.0)}
     else:
@@ -242,7 +245,8 @@ def measure_constant(cfg: dict, batch: int, dtype: torch.dtype, say=_say) -> tup
     except Exception as e:  # noqa: BLE001 — reported with the way out
         raise KernelError(f"measuring a decode step failed ({type(e).__name__}: {e}); "
                           "rerun with constant=False to keep only kernel timings") from e
-    const = parts.pop("constant_s", max(parts["fp16_step_s"] - parts["fp16_linear_s"], 0.0) + parts["rotation_s"])
+    const = (max(parts["anchor_step_s"] - parts["anchor_linear_s"], 0.0) if not moe
+             else max(parts["fp16_step_s"] - parts["fp16_linear_s"], 0.0) + parts["rotation_s"])
     say(f"  batch {batch}: constant {const * 1e3:.3f} ms ("
         + (f"{ANCHOR} model step {parts['anchor_step_s'] * 1e3:.3f} ms, its matmuls "
            f"{parts['anchor_linear_s'] * 1e3:.3f} ms" if not moe else "mixture of experts: FP16 step based")

@@ -70,7 +70,7 @@ def test_the_constant_is_the_anchor_step_less_its_matmuls(tiny_llama_dir, monkey
     from qpalette.measure import profile
 
     steps = {False: (5e-3, 3e-3, "compiled forward loop"), True: (4.5e-3, 3.2e-3, "compiled forward loop")}
-    monkeypatch.setattr(profile, "anchor_step", lambda cfg, b, dtype, lm_head: steps[lm_head])
+    monkeypatch.setattr(profile, "anchor_step", lambda cfg, b, dtype, lm_head, kernels: steps[lm_head])
     monkeypatch.setattr(profile, "random_model", lambda cfg, dtype: None)
     monkeypatch.setattr(profile, "decode_step_time", lambda model, b: (7e-3, "compiled forward loop"))
     monkeypatch.setattr(profile, "fp16_linear_time", lambda cfg, b, dtype: 6e-3)
@@ -105,3 +105,24 @@ def test_measure_constant_on_a_gpu(tiny_llama_dir):
     assert 0 < parts["anchor_linear_s"] < parts["anchor_step_s"] and const == pytest.approx(
         parts["anchor_step_s"] - parts["anchor_linear_s"])
     assert parts["anchor_head_linear_s"] > parts["anchor_linear_s"]  # one more call: the head
+
+
+def test_the_anchor_models_share_their_kernel_timings(tiny_llama_dir, monkeypatch):
+    """The quantized-head anchor re-times only lm_head's shape; the sum counts every call."""
+    from qpalette.measure import profile
+
+    cfg = _tiny_cfg(tiny_llama_dir, vocab_size=272, bos_token_id=255, eos_token_id=255)
+    real = profile.anchor_model
+    monkeypatch.setattr(profile, "anchor_model", lambda c, dtype, lm_head: real(c, torch.float32, lm_head, "cpu"))
+    monkeypatch.setattr(profile, "decode_step_time", lambda model, b: (1e-3, "compiled forward loop"))
+    monkeypatch.setattr(profile, "_release", lambda: None)
+    timed = []
+    monkeypatch.setattr(profile.kernel_timing, "time_quantized",
+                        lambda name, rows, cols, bs, dtype: (timed.append((rows, cols)) or {b: rows * 1e-6 for b in bs}, 0))
+    kernels = {}
+    _, linear, _ = profile.anchor_step(cfg, 1, torch.float16, False, kernels)
+    assert sorted(timed) == [(64, 64), (64, 128), (128, 64), (256, 64)]
+    assert linear == pytest.approx(2 * (128 + 64 + 256 + 64) * 1e-6)  # qkv, o, gateup, down × 2 blocks
+    _, linear_head, _ = profile.anchor_step(cfg, 1, torch.float16, True, kernels)
+    assert sorted(timed[4:]) == [(272, 64)]  # the blocks' shapes are not timed again
+    assert linear_head == pytest.approx(linear + 272e-6)
