@@ -120,6 +120,22 @@ def test_ctas_owning_several_row_tiles_of_a_narrow_matrix(ext, name):
                 assert rel_err(y, x.float() @ w.T) <= TOL, (rows, cols, m, num_sms)
 
 
+@pytest.mark.parametrize("name", ["tcq-2.0", "half-tcq-3.25", "nuq-4", "vq-2.0"])
+def test_a_cluster_owning_many_row_tiles(ext, name):
+    """K split over a cluster whose CTAs own more row tiles than one flush of the cluster sums
+    holds (qpalette_gemv.cuh: flush_cluster): the sums of every flush land, none is overwritten
+    before rank 0 has read it. Few SMs force few clusters (in = 14336: clusters of 4, 28672: of 8)."""
+    gen = torch.Generator().manual_seed(5)
+    for rows, cols in [(576, 14336), (256, 28672)]:
+        stored, tensors = random_tensors(name, rows, cols, gen)
+        w = ops.dequantize(name, stored, (rows, cols))
+        for m in (1, 8):
+            x = torch.randn(m, cols, generator=gen).half().cuda()
+            for num_sms in (4, 8, 16):
+                y = run_fused(ext, name, x, tensors, rows, num_sms=num_sms)
+                assert rel_err(y, x.float() @ w.T) <= TOL, (rows, cols, m, num_sms)
+
+
 @pytest.mark.parametrize("name", ["tcq-2.0", "nuq-4", "vq-4.0", "half-tcq-3.25", "nuq-8", "vq-6.0"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dequantize_kernel(ext, name, dtype):

@@ -84,6 +84,7 @@ struct GemvParams {
   const uint32_t* lut; // source table, 2^LOG2E words
   int m, rt;
   int cs, cgc, ncl;    // cluster size, groups a CTA, clusters
+  int fr;              // cs > 1: rounds of row tiles a flush of the cluster sums (flush_cluster)
   int nw;              // warps a CTA
   const uint8_t* signs;  // fused rotation x ← H(s ⊙ x)/√n, H = H_K ⊗ H_{2^m} (n = cols), or nullptr
   const unsigned long long* hk_neg;  // H_K by rows, bit a of row j set ⇔ H_K[j, a] = −1 (K ≤ 64); nullptr when K = 1
@@ -169,12 +170,16 @@ struct Pair {
 
 __host__ __device__ constexpr size_t red_bytes(int rr, int nw) { return size_t(2) * rr * nw * 32 * 16; }
 __host__ __device__ constexpr size_t xs_bytes(int cgc, int m) { return size_t(m) * (cgc * 64 + 4) * 4; }
-__host__ __device__ constexpr size_t cpart_bytes(int rr, int cs) { return cs > 1 ? size_t(2) * cs * rr * 32 * 16 : 0; }
+// K split over a cluster: each CTA's scaled row-tile sums go to rank 0's shared memory, `fr` rounds
+// of row tiles at a time (the most of MAX_FLUSH_ROUNDS, 2, 1 that fits), summed there after one
+// cluster barrier (not one a round)
+constexpr int MAX_FLUSH_ROUNDS = 4;
+__host__ __device__ constexpr size_t cpart_bytes(int rr, int cs, int fr) { return cs > 1 ? size_t(fr) * rr * cs * 32 * 16 : 0; }
 __host__ __device__ constexpr size_t rot_bytes(int n) { return size_t(2) * n * 4; }  // z, double buffered
 template <class L>
-__host__ __device__ constexpr size_t gemv_smem(int rr, int nw, int cgc, int cs, int m, int rot_n) {
+__host__ __device__ constexpr size_t gemv_smem(int rr, int nw, int cgc, int cs, int fr, int m, int rot_n) {
   return size_t(L::WORDS) * 4 + (red_bytes(rr, nw) > xs_bytes(cgc, m) ? red_bytes(rr, nw) : xs_bytes(cgc, m)) +
-         cpart_bytes(rr, cs) + rot_bytes(rot_n);
+         cpart_bytes(rr, cs, fr) + rot_bytes(rot_n);
 }
 
 // The table, replicated C times. Thread t writes 16-byte piece t mod C/4 of its entries, so a
@@ -312,6 +317,43 @@ __device__ __forceinline__ void stage_x_rotated(const GemvParams& p, uint32_t* x
   }
 }
 
+// y's row tile `row` ← the (scaled) 16×8 accumulator tile s of the mma layout
+template <class T>
+__device__ __forceinline__ void store_y(const GemvParams& p, int row, const float4& s, int lane) {
+  T* y = reinterpret_cast<T*>(p.y);
+  const int ra = row * 16 + (lane >> 2), rb = ra + 8, n0 = 2 * (lane & 3), n1 = n0 + 1;
+  if (n0 < p.m) {
+    y[n0 * p.ldy + ra] = Act<T>::from_float(s.x);
+    y[n0 * p.ldy + rb] = Act<T>::from_float(s.z);
+  }
+  if (n1 < p.m) {
+    y[n1 * p.ldy + ra] = Act<T>::from_float(s.y);
+    y[n1 * p.ldy + rb] = Act<T>::from_float(s.w);
+  }
+}
+
+// The cluster's row tiles [j0, j1) of its range (first row tile r0): after one barrier (the CTAs'
+// sums are in rank 0's cpart), rank 0 adds them in rank order and writes y; `again`: a barrier
+// more, so that the next rounds' sums do not overwrite slots rank 0 is still reading.
+template <class T>
+__device__ __forceinline__ void flush_cluster(const GemvParams& p, const float4* cpart, int r0, int j0, int j1, int rank,
+                                              bool again) {
+  cluster_sync();
+  if (rank == 0) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int j = j0 + warp; j < j1; j += p.nw) {
+      const int slot = j - j0;
+      float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int c = 0; c < p.cs; ++c) {
+        const float4 v = cpart[(slot * p.cs + c) * 32 + lane];
+        s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
+      }
+      store_y<T>(p, r0 + j, s, lane);
+    }
+  }
+  if (again) cluster_sync();
+}
+
 template <class DA, class DB, class T>
 __device__ __forceinline__ void gemv_body(const GemvParams& p) {
   using PR = Pair<DA, DB>;
@@ -323,8 +365,8 @@ __device__ __forceinline__ void gemv_body(const GemvParams& p) {
   float4* red = reinterpret_cast<float4*>(xs);
   const int nw = p.nw, nt = nw * 32;
   const size_t ub = red_bytes(RR, nw) > xs_bytes(p.cgc, p.m) ? red_bytes(RR, nw) : xs_bytes(p.cgc, p.m);
-  float4* cpart = reinterpret_cast<float4*>(reinterpret_cast<char*>(xs) + ub);  // [2][CS][RR][32]
-  float* rot = reinterpret_cast<float*>(reinterpret_cast<char*>(cpart) + cpart_bytes(RR, p.cs));  // [n]
+  float4* cpart = reinterpret_cast<float4*>(reinterpret_cast<char*>(xs) + ub);  // [fr·RR][CS][32]
+  float* rot = reinterpret_cast<float*>(reinterpret_cast<char*>(cpart) + cpart_bytes(RR, p.cs, p.fr));  // [n]
 
   pdl_launch_dependents();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -394,7 +436,7 @@ __device__ __forceinline__ void gemv_body(const GemvParams& p) {
   const uint32_t lanebits = static_cast<uint32_t>(lane & (L::C - 1)) << 2;
   const int nrounds = (nrows + RR - 1) / RR;
   const bool reducer = warp < RR;
-  const int gq = lane >> 2, n0 = 2 * (lane & 3), n1 = n0 + 1;
+  const int gq = lane >> 2;
   int buf = 0;
   for (int rd = 0; rd < nrounds; ++rd) {
     const int rl = rd * RR + warp, row = r0 + rl;
@@ -404,7 +446,7 @@ __device__ __forceinline__ void gemv_body(const GemvParams& p) {
       sa = __half2float(p.row_scale[row * 16 + gq]);
       sb = __half2float(p.row_scale[row * 16 + gq + 8]);
     }
-    if (p.cs == 1 && !reducer && rd >= 2) asm volatile("bar.sync %0, %1;\n" ::"r"(3 + buf), "r"(nt) : "memory");
+    if (!reducer && rd >= 2) asm volatile("bar.sync %0, %1;\n" ::"r"(3 + buf), "r"(nt) : "memory");
 #pragma unroll
     for (int rr = 0; rr < RR; ++rr) {
       const int it = rd * RR + rr;
@@ -426,12 +468,8 @@ __device__ __forceinline__ void gemv_body(const GemvParams& p) {
             make_float4(a0[0] + a1[0], a0[1] + a1[1], a0[2] + a1[2], a0[3] + a1[3]);
       }
     }
-    if (p.cs == 1) {
-      if (reducer) asm volatile("bar.sync %0, %1;\n" ::"r"(1 + buf), "r"(nt) : "memory");
-      else asm volatile("bar.arrive %0, %1;\n" ::"r"(1 + buf), "r"(nt) : "memory");
-    } else {
-      __syncthreads();
-    }
+    if (reducer) asm volatile("bar.sync %0, %1;\n" ::"r"(1 + buf), "r"(nt) : "memory");
+    else asm volatile("bar.arrive %0, %1;\n" ::"r"(1 + buf), "r"(nt) : "memory");
     float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
     if (doit) {  // row tile rd·RR + warp, summed over the warps in a fixed order
       const float4* rp = red + ((buf * RR + warp) * nw) * 32 + lane;
@@ -442,31 +480,16 @@ __device__ __forceinline__ void gemv_body(const GemvParams& p) {
           s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
         }
       }
+      s.x *= sa; s.y *= sa; s.z *= sb; s.w *= sb;
     }
-    if (p.cs == 1) {  // this buffer is free again (the bar.sync of round rd + 2)
-      if (reducer && rd + 2 < nrounds) asm volatile("bar.arrive %0, %1;\n" ::"r"(3 + buf), "r"(nt) : "memory");
+    // this buffer is free again (the bar.sync of round rd + 2)
+    if (reducer && rd + 2 < nrounds) asm volatile("bar.arrive %0, %1;\n" ::"r"(3 + buf), "r"(nt) : "memory");
+    if (p.cs == 1) {
+      if (doit) store_y<T>(p, row, s, lane);
     } else {
-      if (doit) cluster_rank0(cpart)[((buf * p.cs + rank) * RR + warp) * 32 + lane] = s;
-      cluster_sync();
-      if (rank == 0 && doit) {
-        s = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int c = 0; c < p.cs; ++c) {
-          const float4 v = cpart[((buf * p.cs + c) * RR + warp) * 32 + lane];
-          s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
-        }
-      }
-    }
-    if (doit && rank == 0) {
-      T* y = reinterpret_cast<T*>(p.y);
-      const int ra = row * 16 + gq, rb = ra + 8;
-      if (n0 < p.m) {
-        y[n0 * p.ldy + ra] = Act<T>::from_float(s.x * sa);
-        y[n0 * p.ldy + rb] = Act<T>::from_float(s.z * sb);
-      }
-      if (n1 < p.m) {
-        y[n1 * p.ldy + ra] = Act<T>::from_float(s.y * sa);
-        y[n1 * p.ldy + rb] = Act<T>::from_float(s.w * sb);
-      }
+      if (doit) cluster_rank0(cpart)[((rl % (p.fr * RR)) * p.cs + rank) * 32 + lane] = s;
+      if ((rd + 1) % p.fr == 0 || rd + 1 == nrounds) flush_cluster<T>(p, cpart, r0, rd / p.fr * p.fr * RR,
+                                                                        min(nrows, (rd + 1) * RR), rank, rd + 1 < nrounds);
     }
     buf ^= 1;
   }
@@ -620,7 +643,8 @@ int resident(K kern, const cudaLaunchConfig_t& cfg, int cs, int num_sms, int dev
     if (e != cudaSuccess) return e;
     it = cache.emplace(key, n > 0 ? n : 1).first;
   }
-  out = cs > 1 ? it->second : it->second * num_sms;  // per SM for single CTAs, so num_sms may vary
+  // per SM for single CTAs; clusters: at most num_sms / cs of them (num_sms may vary either way)
+  out = cs > 1 ? std::min(it->second, std::max(1, num_sms / cs)) : it->second * num_sms;
   return cudaSuccess;
 }
 
@@ -639,7 +663,7 @@ int launch_gemv(const GemvArgs& a) {
   if (p.rt == 0 || a.m == 0 || nslot == 0) return OK;
   if (a.members && a.m != 1) return UNSUPPORTED;
   // the smallest K split (1 CTA, or clusters of 2, 4, 8 on Hopper) whose warps and shared memory fit
-  int cs = 0, nw = 0, cgc = 0;
+  int cs = 0, nw = 0, cgc = 0, fr = 1;
   size_t smem = 0;
   const bool rotate = a.signs != nullptr;
   const int p2 = rotate ? a.cols / a.rot_k : 0;
@@ -653,11 +677,11 @@ int launch_gemv(const GemvArgs& a) {
     const int g = (gtot + c - 1) / c, w = std::max((g + NG - 1) / NG, static_cast<int>(PR::RR));
     if (rotate && (g * c != gtot || (g * 128) % p2 != 0)) continue;  // every CTA: whole segments
     if (rotate && a.rot_k > 1 && c > 4) continue;  // the signed row staged in z: 2·cols ≤ 8·cols/c bytes
-    const size_t s = gemv_smem<L>(PR::RR, w, g, c, a.m, rotate ? g * 128 : 0);
-    if (w <= MAX_WARPS && s <= static_cast<size_t>(dev.smem_optin)) {
-      cs = c, nw = w, cgc = g, smem = s;
-      break;
+    for (int f = c > 1 ? MAX_FLUSH_ROUNDS : 1; f >= 1 && cs == 0; f /= 2) {
+      const size_t s = gemv_smem<L>(PR::RR, w, g, c, f, a.m, rotate ? g * 128 : 0);
+      if (w <= MAX_WARPS && s <= static_cast<size_t>(dev.smem_optin)) cs = c, nw = w, cgc = g, fr = f, smem = s;
     }
+    if (cs) break;
   }
   if (cs == 0) return UNSUPPORTED;
   static bool attr_set[64];
@@ -686,6 +710,7 @@ int launch_gemv(const GemvArgs& a) {
   const int per_slot = slots / nslot > 0 ? slots / nslot : 1;  // an expert launch shares the SMs among its slots
   p.ncl = p.rt < per_slot ? p.rt : per_slot;
   p.cs = cs;
+  p.fr = fr;
   p.cgc = cgc;
   p.nw = nw;
   p.x = static_cast<const char*>(a.x);
