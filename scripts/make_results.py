@@ -9,7 +9,7 @@ Reads (each section is skipped, saying so, when its input is missing):
                                          and peer rows), collect.json (calibration costs)
 - results/calibrate_smollm2/validation_gpu.json  scripts/validate_linearity.py: random mixes
 - results/kernels_h100/bench_kernels.json        scripts/bench_kernels.py
-- results/speed_llama8b/*.json           `qpalette bench --json` of FP16 and compressed
+- results/speed_llama8b_v3/*.json        `qpalette bench --json` of FP16 and compressed
                                          synthetic Llama-3.1-8B models, and their plans
 Numbers are printed as measured; nothing here is estimated.
 """
@@ -155,6 +155,9 @@ def kernels(bench: dict, figdir: Path) -> list[str]:
     return out + [""]
 
 
+SPEED_RUNS = "speed_llama8b_v3"  # the latest decode-speed runs (results/<this>/bench_*.json, plan_*.json)
+
+
 def speed(folder: Path, figdir: Path) -> list[str]:
     out = ["## (d) Decode speed: Llama-3.1-8B shapes (random weights), `qpalette bench`", ""]
     runs = {p.stem.removeprefix("bench_"): load(p) for p in sorted(folder.glob("bench_*.json"))}
@@ -168,10 +171,12 @@ def speed(folder: Path, figdir: Path) -> list[str]:
                "values): **loop** = the compiled forward alone, one token a step, timed between two CUDA events "
                "(the GPU's time per token); **generate** = transformers' `generate`, median step, which adds its "
                "per-token host work. Planned tok/s come from the plan's latency profile "
-               "(`profiles/h100_latency_llama31_8b_b1.json`, constant measured with the same loop). "
+               "(`profiles/h100_latency_llama31_8b_b1.json`; its constant is a tcq-2.0 model's compiled step less "
+               "its matmuls' isolated times). "
                "2bit and 4bit: every layer and lm_head tcq-2.0, resp. nuq-4 (`compress --scheme E --lm-head`); "
                "speed230/260: plans for 230 and 260 tok/s (lm_head 16-bit: the reference sensitivities have "
-               "no lm_head coefficient). Earlier runs (v1 kernels): `results/speed_llama8b/`.")
+               "no lm_head coefficient); – where a run timed the loop only. Earlier runs: `results/speed_llama8b_v2/`, "
+               "`results/speed_llama8b/` (v1 kernels).")
     out += ["", "| model | plan budget | batch | loop tok/s | loop × FP16 | generate tok/s | generate × FP16 | "
             "loop throughput | planned tok/s | loop / planned |", "|---|---|---|---|---|---|---|---|---|---|"]
     fp_rows = {r["batch_size"]: r for r in fp["rows"]}
@@ -182,14 +187,14 @@ def speed(folder: Path, figdir: Path) -> list[str]:
             b, f = r["batch_size"], fp_rows.get(r["batch_size"])
             planned = plan["totals"].get("tok_per_s") if plan and plan["options"].get("batch_size", 1) == b else None
             budget = ", ".join(x["text"] for x in plan["budgets"]) if plan else "–"
-            loop, gen = r["loop_tok_per_s"], r["tok_per_s"]
-            ratio = lambda x, y: f"{x / y:.2f}×" if y else "–"  # noqa: E731
+            loop, gen = r["loop_tok_per_s"], r.get("tok_per_s")
+            ratio = lambda x, y: f"{x / y:.2f}×" if x and y else "–"  # noqa: E731
             plan_txt = "– | –" if planned is None else f"{planned:.1f} | {loop / planned:.3f}"
             out.append(f"| {key} | {budget} | {b} | {loop:.1f} | {ratio(loop, f and f['loop_tok_per_s'])} | "
-                       f"{gen:.1f} | {ratio(gen, f and f['tok_per_s'])} | {r['loop_throughput_tok_per_s']:.1f} | "
+                       f"{f'{gen:.1f}' if gen else '–'} | {ratio(gen, f and f.get('tok_per_s'))} | {r['loop_throughput_tok_per_s']:.1f} | "
                        f"{plan_txt} |")
             if b == 1:
-                bars.append((key, loop, gen, planned))
+                bars.append((key, loop, gen or float("nan"), planned))
     fig, ax = plt.subplots(figsize=(9, 4))
     x = range(len(bars))
     ax.bar([i - 0.2 for i in x], [b[1] for b in bars], 0.4, label="forward loop")
@@ -372,9 +377,11 @@ def targets(sweep: dict | None, folder: Path) -> list[str]:
     for key, need in (("2bit", 3.0), ("4bit", 2.0)):
         got = b1.get(key)
         if got and fp1:
-            loop, gen = got["loop_tok_per_s"] / fp1["loop_tok_per_s"], got["tok_per_s"] / fp1["tok_per_s"]
-            out.append(f"| {key} plan ≥ {need:.1f}× FP16 decode tok/s (batch 1) | loop {loop:.2f}×, generate "
-                       f"{gen:.2f}× | {'yes' if min(loop, gen) >= need else 'no'} |")
+            loop = got["loop_tok_per_s"] / fp1["loop_tok_per_s"]
+            gen = got["tok_per_s"] / fp1["tok_per_s"] if got.get("tok_per_s") and fp1.get("tok_per_s") else None
+            gen_txt = f"generate {gen:.2f}×" if gen else "generate not timed"
+            out.append(f"| {key} plan ≥ {need:.1f}× FP16 decode tok/s (batch 1) | loop {loop:.2f}×, {gen_txt} | "
+                       f"{'yes' if min(loop, gen or loop) >= need else 'no'} |")
         else:
             out.append(f"| {key} plan ≥ {need:.1f}× FP16 decode tok/s (batch 1) | not measured | – |")
     for key, row in b1.items():
@@ -494,11 +501,11 @@ def main() -> None:
     lines += quality(sweep, figdir) if sweep else ["## (a) Quality", "", "(no sweep results yet)", ""]
     lines += linearity(validation, sweep, figdir)
     lines += kernels(bench, figdir) if bench else ["## (c) Kernels", "", "(no kernel benchmark yet)", ""]
-    lines += speed(res / "speed_llama8b_v2", figdir)
+    lines += speed(res / SPEED_RUNS, figdir)
     lines += generation(res / "generate_h100")
     lines += data_aware(res / "sweep_smollm2_data_aware", figdir)
     lines += experts(res / "moe_h100")
-    lines += (targets(sweep, res / "speed_llama8b_v2")[:-1] + generation_targets(res / "generate_h100")
+    lines += (targets(sweep, res / SPEED_RUNS)[:-1] + generation_targets(res / "generate_h100")
               + data_aware_targets(res / "sweep_smollm2_data_aware") + [""])
     args.out.write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out} and plots in {figdir}")

@@ -368,6 +368,5 @@ def run_profile(model: str, batch_sizes: list[int] | None = None, out_dir: str |
         for m in batch_sizes:
             doc = profile_document(str(label), m, consts[m], shapes, groups[m], measured)
             atomic_write(paths[m], json.dumps(doc, indent=1) + "\n")
-            say(f"wrote {paths[m]}")
         run.path.unlink()  # killed before this: --resume writes the outputs again from the saved timings
     return [paths[m] for m in batch_sizes]

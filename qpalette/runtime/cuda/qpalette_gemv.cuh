@@ -12,7 +12,8 @@
 // shared memory; warps 0..RR−1 sum them over the warps in a fixed order, scale and write y. The
 // warps meet by named barriers as producers and consumers (bar.arrive/bar.sync): only the
 // reducers wait for a round's partials; the others wait only for the buffer of two rounds back.
-// With CS > 1 the CTA sums go to rank 0 through distributed shared memory. No global atomics, no
+// With CS > 1 each CTA's scaled sums go to rank 0's shared memory (distributed shared memory), which
+// adds them after one cluster barrier every fr rounds (flush_cluster). No global atomics, no
 // workspace, deterministic. The table and the codes of the first items are fetched before
 // `griddepcontrol.wait`: with programmatic dependent launch that prologue overlaps the previous
 // kernel; x is read and y written only after it (the reducers fetch each round's row scales at
