@@ -644,7 +644,7 @@ int resident(K kern, const cudaLaunchConfig_t& cfg, int cs, int num_sms, int dev
     if (e != cudaSuccess) return e;
     it = cache.emplace(key, n > 0 ? n : 1).first;
   }
-  // per SM for single CTAs; clusters: at most num_sms / cs of them (num_sms may vary either way)
+  // per SM for single CTAs; clusters: at most num_sms / cs of them, at least one (num_sms may vary)
   out = cs > 1 ? std::min(it->second, std::max(1, num_sms / cs)) : it->second * num_sms;
   return cudaSuccess;
 }
