@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
 import torch
 
 from qpalette.compression.writer import CompressOptions, compress
+
+
+def load_script(name: str):
+    """scripts/NAME.py as a module (the scripts are not a package), to call its functions and main."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def run_compress(src, out, **kw) -> dict:

@@ -3,22 +3,16 @@ compressed copies removed, a cut run continued without re-timing what it measure
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from helpers import load_script
 
 from qpalette import api
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def _script():
-    spec = importlib.util.spec_from_file_location("bench_decode", ROOT / "scripts" / "bench_decode.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_decode")
 
 
 def _args(model, tmp_path, *extra):

@@ -3,21 +3,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from helpers import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("bench_pipeline", ROOT / "scripts" / "bench_pipeline.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_pipeline")
 
 
 def test_projection_is_the_sum_of_the_fitted_line():
