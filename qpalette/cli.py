@@ -567,6 +567,11 @@ def bench(
         help="Which ways to time (comma list): decoder (qpalette's), generate (transformers'), loop (the "
         "compiled forward alone).",
     ),
+    attention: str = typer.Option(
+        "qpalette", "--attention",
+        help="qpalette (decode attention on the cache as it is, query heads packed per KV head) or sdpa "
+        "(transformers' own, which copies the cache to every query head), to compare.",
+    ),
     json_out: Optional[Path] = typer.Option(None, "--json", help=JSON_HELP),
 ) -> None:
     """Decode tokens/s three ways, side by side: qpalette's decoder (what `qpalette generate`
@@ -575,7 +580,8 @@ def bench(
     modes = tuple(m.strip() for m in compile_modes.split(",") if m.strip())
     result = api.bench(model, batch_sizes=tuple(_int_list(batch_sizes, "--batch-sizes")), prompt_len=prompt_len,
                        gen_len=gen_len, device=device, compile=compile, compile_modes=modes,
-                       ways=tuple(w.strip() for w in ways.split(",") if w.strip()), log=_say(json_out))
+                       ways=tuple(w.strip() for w in ways.split(",") if w.strip()), attention=attention,
+                       log=_say(json_out))
     _write_json(json_out, result)
 
 

@@ -34,6 +34,7 @@ import torch
 
 from qpalette.devices import resolve_device
 from qpalette.errors import InputError
+from qpalette.generation.attention import use_transformers_attention
 from qpalette.generation.hf_compile import MODES, compile_config, compile_kwargs, mode_stop_check
 from qpalette.runtime.loading import load_model
 from qpalette.runtime.modules import decoded_bytes
@@ -50,9 +51,11 @@ class BenchOptions:
     seed: int = 0
     compile_modes: tuple[str, ...] = ("default",)
     ways: tuple[str, ...] = ("decoder", "generate", "loop")
+    attention: str = "qpalette"
 
 
 WAYS = ("decoder", "generate", "loop")
+ATTENTIONS = ("qpalette", "sdpa")  # generation/attention.py's packed decode attention, transformers' own
 
 
 class _StepClock:
@@ -131,19 +134,25 @@ class DecodeLoop:
             torch._dynamo.reset()  # each loop compiles afresh: no recompile limit hit, no stale graphs
         self.graphs = compile in ("reduce-overhead", "lean", "deferred")
         kwargs = compile_kwargs(compile) if compile in ("lean", "deferred") else {"mode": compile}
-        self.forward = torch.compile(model.forward, **kwargs) if compile else model.forward
+        self.model = model
+        # the greedy pick is compiled with the forward, as the decoder's step is (run eagerly, torch's
+        # argmax over a 128k vocabulary showed as a 37 µs kernel in results/speed_llama8b/breakdown_fp16.json)
+        self.next_token = torch.compile(self._next_token, **kwargs) if compile else self._next_token
         with torch.no_grad():
-            logits = model(input_ids=ids, past_key_values=self.cache, use_cache=True, **self._where(0, prompt_len)).logits
-        self.tokens = [logits[:, -1:].argmax(-1)]
+            self.tokens = [self._next_token(ids, **self._where(0, prompt_len))]
         self.pos = prompt_len
+
+    def _next_token(self, ids: torch.Tensor, **where) -> torch.Tensor:
+        logits = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1, **where).logits
+        return logits[:, -1:].argmax(-1)
 
     def step(self) -> None:
         if self.graphs:
             torch.compiler.cudagraph_mark_step_begin()
         with torch.no_grad():
-            logits = self.forward(input_ids=self.tokens[-1], past_key_values=self.cache, use_cache=True,
-                                  **self._where(self.pos, self.pos + 1)).logits
-        self.tokens.append(logits[:, -1:].argmax(-1))
+            token = self.next_token(self.tokens[-1], **self._where(self.pos, self.pos + 1))
+        # a CUDA graph's output is overwritten by its next replay: keep a copy (8 bytes a row)
+        self.tokens.append(token.clone() if self.graphs else token)
         self.pos += 1
 
     def _where(self, a: int, b: int) -> dict:
@@ -244,11 +253,15 @@ def bench(opts: BenchOptions, log: Callable[[str], None] = print) -> dict:
         raise InputError(f"--compile-modes {','.join(opts.compile_modes)}: choose from {', '.join(MODES)}")
     if not opts.ways or set(opts.ways) - set(WAYS):
         raise InputError(f"--ways {','.join(opts.ways)}: choose from {', '.join(WAYS)}")
+    if opts.attention not in ATTENTIONS:
+        raise InputError(f"--attention {opts.attention}: choose from {', '.join(ATTENTIONS)}")
     try:
         path = resolve_model(opts.model, quiet=True)
     except ModelError as e:
         raise InputError(str(e)) from None
     model, _ = load_model(path, device, tokenizer=False)
+    if opts.attention == "sdpa":
+        use_transformers_attention(model)
     if device.type == "cpu":
         log("note: on CPU there are no CUDA graphs and qpalette layers run on weights decoded once "
             "(QPALETTE_CPU_DECODED_BYTES) or the pure-PyTorch reference: numbers say little about GPU speed")
@@ -265,6 +278,7 @@ def bench(opts: BenchOptions, log: Callable[[str], None] = print) -> dict:
         "compiled": compiled,
         "compile_modes": list(opts.compile_modes) if compiled else [],
         "ways": list(opts.ways),
+        "attention": model.config._attn_implementation,
         "quantized": "quantization_config" in model.config.to_dict(),
         "cpu_decoded_weight_bytes": decoded_bytes() if device.type == "cpu" else None,
         "prompt_len": opts.prompt_len,

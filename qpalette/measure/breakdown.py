@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from qpalette.generation.attention import use_transformers_attention
 from qpalette.measure.bench import DecodeLoop, decode_loop_step_time
 from qpalette.runtime.loading import load_model
 
@@ -90,11 +91,15 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--attention", choices=("qpalette", "sdpa"), default="qpalette",
+                    help="qpalette's packed decode attention or transformers' sdpa")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("decode_breakdown needs a CUDA GPU")
     model = load_model(a.model, "cuda", tokenizer=False)[0]
-    res = {"model": a.model, "batch": a.batch, "device": torch.cuda.get_device_name(), **breakdown(model, a.batch, a.steps)}
+    if a.attention == "sdpa":
+        use_transformers_attention(model)
+    res = {"model": a.model, "batch": a.batch, "attention": model.config._attn_implementation, "device": torch.cuda.get_device_name(), **breakdown(model, a.batch, a.steps)}
     res["graph_step_s"] = decode_loop_step_time(model, a.batch, 64, 32, True, 0)
     res["host_call_s"] = host_call_time(model, a.batch)
     res["tensors"] = sum(1 for _ in model.parameters()) + sum(1 for _ in model.buffers())

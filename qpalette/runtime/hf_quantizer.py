@@ -5,7 +5,8 @@
 the quantizer swaps the planned nn.Linear layers of the meta-device skeleton for qpalette
 modules whose buffers match the stored tensors (`checkpoint.convert_model`); after loading it
 checks that the checkpoint's codebooks are the ones this qpalette decodes with, and gives the model
-a `generate` that does not wait for the GPU after every token (generation/hf_compile.py).
+a `generate` that does not wait for the GPU after every token (generation/hf_compile.py) and the
+packed decode attention (generation/attention.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from qpalette.errors import CheckpointError
+from qpalette.generation.attention import use_packed_attention
 from qpalette.generation.hf_compile import deferring_generate
 from qpalette.models.topology import (
     CHECKPOINT_TYPE_PREFIX,
@@ -94,6 +96,7 @@ class QpaletteHfQuantizer(HfQuantizer):
                 "the qpalette version that wrote it"
             )
         deferring_generate(model)  # transformers' generate on CUDA without a GPU wait every token
+        use_packed_attention(model)  # decode attention without a copy of the cache per layer
         return model
 
     def _dequantize(self, model, dtype=None):

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from qpalette.errors import CheckpointError, ModelError
+from qpalette.generation.attention import use_packed_attention
 from qpalette.models.experts import unfuse_experts
 from qpalette.progress import quiet_library_bars
 from qpalette.runtime.checkpoint import QUANT_METHOD
@@ -45,6 +46,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
         raise ModelError(f"cannot load a causal LM from {path}: {str(e).splitlines()[0][:200]}") from None
     model = unfuse_experts(model)  # MoE experts as one layer each (a no-op if quantized)
     model = (model if device_map else model.to(device)).eval()
+    use_packed_attention(model)  # decode attention without a copy of the cache per layer (generation/attention.py)
     if is_quantized(model) and device.type == "cuda":
         with torch.no_grad():
             model(torch.zeros(1, 1, dtype=torch.long, device=device))

@@ -35,6 +35,15 @@ def test_bench_some_ways(tiny_llama_dir, tmp_path):
     row = json.loads(out.read_text())["rows"][0]
     assert row["loop_tok_per_s"] > 0 and "tok_per_s" not in row and "decoder_tok_per_s" not in row
     assert "forward loop" in res.output and "decoder" not in res.output
+    assert json.loads(out.read_text())["attention"] == "qpalette_sdpa"
+
+
+def test_bench_with_transformers_attention(tiny_llama_dir, tmp_path):
+    out = tmp_path / "b.json"
+    res = runner.invoke(app, ["bench", str(tiny_llama_dir), "--batch-sizes", "1", "--gen-len", "4", "--prompt-len",
+                              "3", "--device", "cpu", "--ways", "loop", "--attention", "sdpa", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    assert json.loads(out.read_text())["attention"] == "sdpa"
 
 
 def test_bench_errors(tmp_path):
@@ -42,7 +51,8 @@ def test_bench_errors(tmp_path):
                       (["bench", "smollm2-135m", "--batch-sizes", "x"], "--batch-sizes"),
                       (["bench", "smollm2-135m", "--device", "tpu"], "bad --device"),
                       (["bench", "smollm2-135m", "--compile-modes", "fast"], "--compile-modes"),
-                      (["bench", "smollm2-135m", "--ways", "fast"], "--ways")):
+                      (["bench", "smollm2-135m", "--ways", "fast"], "--ways"),
+                      (["bench", "smollm2-135m", "--attention", "flash"], "--attention")):
         res = runner.invoke(app, args)
         assert res.exit_code == 2 and msg in res.output and "Traceback" not in res.output, res.output
 
@@ -56,16 +66,17 @@ def test_decode_loop_equals_generate(tiny_llama_dir):
 
     model, _ = load_model(tiny_llama_dir, "cpu", tokenizer=False)
     loop = DecodeLoop(model, batch=2, prompt_len=5, steps=6, seed=3)
-    seen, forward = [], loop.forward
+    seen, forward = [], model.forward
 
     def recording(**kw):
         out = forward(**kw)
         seen.append(out.logits[:, -1])
         return out
 
-    loop.forward = recording
+    model.forward = recording  # what the loop's step calls through model(...)
     for _ in range(6):
         loop.step()
+    del model.forward
     ids = random_prompt(model, 2, 5, seed=3)
     out = model.generate(ids, max_new_tokens=7, min_new_tokens=7, do_sample=False, cache_implementation="static",
                          disable_compile=True, pad_token_id=0, output_logits=True, return_dict_in_generate=True)

@@ -214,6 +214,55 @@ at::Tensor viterbi(const at::Tensor& x, const at::Tensor& table, int64_t kv, int
   return paths;
 }
 
+// Decode attention out (B, H, D) of one query token: q (B, H, D), k and v (B, KV, L, D), mask
+// (B or 1, L) bool or in q's dtype (additive), or none (qpalette_kernels.h, decode_attention.cu).
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const c10::optional<at::Tensor>& mask, double scale, int64_t stream, int64_t num_sms) {
+  check_cuda(q, "q");
+  check_cuda(k, "k");
+  check_cuda(v, "v");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.sizes() == k.sizes(), "q must be (B, H, D), k and v (B, KV, L, D)");
+  TORCH_CHECK(k.size(0) == q.size(0) && k.size(3) == q.size(2), "q, k and v disagree on batch or head dim");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "q, k and v: one dtype");
+  TORCH_CHECK(k.device() == q.device() && v.device() == q.device() && (!mask.has_value() || mask->device() == q.device()),
+              "q, k, v and mask must be on one device");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(k.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(v.data_ptr()) % 16 == 0,
+              "k and v must be 16-byte aligned");
+  qp::DecodeAttentionArgs a{};
+  a.batch = static_cast<int>(q.size(0));
+  a.heads = static_cast<int>(q.size(1));
+  a.head_dim = static_cast<int>(q.size(2));
+  a.kv_heads = static_cast<int>(k.size(1));
+  a.length = static_cast<int>(k.size(2));
+  if (mask.has_value()) {
+    check_cuda(*mask, "mask");
+    TORCH_CHECK(mask->dim() == 2 && (mask->size(0) == 1 || mask->size(0) == q.size(0)) && mask->size(1) == k.size(2),
+                "mask must be (B or 1, L)");
+    TORCH_CHECK(mask->scalar_type() == at::kBool || mask->scalar_type() == q.scalar_type(),
+                "mask must be bool or q's dtype");
+    a.mask = mask->data_ptr();
+    a.mask_kind = mask->scalar_type() == at::kBool ? qp::MASK_BOOL : qp::MASK_ADDITIVE;
+    a.mask_batch_stride = mask->size(0) == 1 ? 0 : mask->size(1);
+  }
+  auto out = at::empty_like(q);
+  const int splits = qp::decode_attention_splits(a.batch, a.kv_heads, a.length, static_cast<int>(num_sms));
+  at::Tensor partial;
+  if (splits > 1) {
+    partial = at::empty({static_cast<int64_t>(a.batch) * a.heads * splits * (a.head_dim + 2)}, q.options().dtype(at::kFloat));
+    a.partial = partial.data_ptr<float>();
+  }
+  a.q = q.data_ptr();
+  a.k = k.data_ptr();
+  a.v = v.data_ptr();
+  a.out = out.data_ptr();
+  a.scale = static_cast<float>(scale);
+  a.dtype = dtype_code(q);
+  a.num_sms = static_cast<int>(num_sms);
+  a.stream = reinterpret_cast<void*>(stream);
+  check(qp::decode_attention(a), "qpalette decode attention");
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -228,5 +277,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_experts", &gemv_experts, "MoE experts' GEMVs in one launch (undefined result: shape not supported)");
   m.def("dequant", &dequant, "dequantize to a dense matrix");
   m.def("hadamard", &hadamard, "y = H(s ⊙ x) over rows");
+  m.def("decode_attention", &decode_attention, "attention of one query token over a grouped-query cache");
   m.def("viterbi", &viterbi, "tail-biting TCQ Viterbi paths of 16×16 tiles");
 }

@@ -88,6 +88,31 @@ struct ViterbiArgs {
 int viterbi_plan(int kv, int q, int num_sms, int n_tiles, int* grid, long long* scratch_bytes);
 int viterbi(const ViterbiArgs& a);
 
+// Decode attention, one query token (decode_attention.cu): out (B, H, D) = softmax(scale · q Kᵀ + mask) V
+// per head, query head h reading KV head h / (H / KV). q (B, H, D); k, v (B, KV, length, D)
+// contiguous, 16-byte aligned; mask (B or 1, length): none, bool (false: not seen) or additive in
+// dtype, mask_batch_stride 0 when shared by the batch. D = 64 or 128, H / KV ≤ 8, else UNSUPPORTED.
+// `partial`: float32 scratch of B·KV·splits·(H/KV)·(D+2), splits = decode_attention_splits(…).
+enum MaskKind : int { MASK_NONE = 0, MASK_BOOL = 1, MASK_ADDITIVE = 2 };
+constexpr int DECODE_ATTENTION_MIN_CHUNK = 128;  // fewest keys a CTA takes when the length is split (a block a warp)
+struct DecodeAttentionArgs {
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* mask;
+  int mask_kind;
+  long long mask_batch_stride;
+  void* out;
+  float* partial;
+  int batch, heads, kv_heads, length, head_dim;
+  float scale;
+  int dtype;
+  int num_sms;
+  void* stream;  // cudaStream_t
+};
+int decode_attention_splits(int batch, int kv_heads, int length, int num_sms);
+int decode_attention(const DecodeAttentionArgs& a);
+
 // cudaGetErrorString of a return code above.
 const char* error_string(int rc);
 

@@ -1,0 +1,106 @@
+"""`qpalette::decode_attention`: attention of one query token over a grouped-query KV cache.
+
+out[b, h] = softmax(scale · q[b, h] · K[b, h // G]ᵀ + mask[b]) · V[b, h // G], G = H / KV.
+A torch.library custom op with a fake implementation (torch.compile and CUDA graphs see an ordinary
+op), the pure-PyTorch reference on every device, and on CUDA the split-length kernel of
+runtime/cuda/decode_attention.cu where it applies (float16/bfloat16, head dim 64 or 128, G ≤ 8, a
+contiguous cache); elsewhere SDPA on the packed heads. generation/attention.py calls it at decode.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Optional
+
+import torch
+
+from qpalette.errors import KernelError
+from qpalette.runtime import kernel_build
+
+KERNEL_HEAD_DIMS = (64, 128)
+KERNEL_MAX_GROUPS = 8
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+KERNEL_MAX_GRID_Y = 65535  # batch × KV heads: one CTA row each
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+              scale: float) -> torch.Tensor:
+    """q (B, H, D), k and v (B, KV, L, D), mask (B or 1, L) bool (True: seen) or additive → (B, H, D),
+    in float32; a query that sees no key gets zeros."""
+    b, h, d = q.shape
+    kv = k.shape[1]
+    qg = q.float().reshape(b, kv, h // kv, d)
+    scores = scale * qg @ k.float().transpose(-1, -2)  # (B, KV, G, L)
+    if mask is not None:
+        bias = mask if mask.dtype != torch.bool else torch.zeros(mask.shape, device=mask.device).masked_fill(
+            ~mask, float("-inf"))
+        scores = scores + bias.float()[:, None, None, :]
+    weights = torch.softmax(scores, -1).nan_to_num(0.0)
+    return (weights @ v.float()).reshape(b, h, d).to(q.dtype)
+
+
+def kernel_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> bool:
+    """Whether the CUDA kernel takes these inputs (else SDPA runs them)."""
+    b, h, d = q.shape
+    kv = k.shape[1]
+    return (q.is_cuda and q.dtype in KERNEL_DTYPES and k.dtype == q.dtype == v.dtype and d in KERNEL_HEAD_DIMS
+            and k.shape == v.shape and h % kv == 0 and h // kv <= KERNEL_MAX_GROUPS and b * kv <= KERNEL_MAX_GRID_Y
+            and k.is_contiguous() and v.is_contiguous() and (mask is None or mask.dtype in (torch.bool, q.dtype))
+            and _kernels_built(q.device))
+
+
+_build_failed: set[int] = set()
+
+
+def _kernels_built(device: torch.device) -> bool:
+    """Whether the kernels are on and built. Unlike a quantized layer, attention has a good
+    fallback (SDPA), so an FP16 model on a machine without nvcc still decodes: one warning, and
+    the failed build is not retried on every layer of every token."""
+    index = device.index if device.index is not None else -1
+    if index in _build_failed:
+        return False
+    try:
+        return kernel_build.available(device)
+    except KernelError as e:
+        _build_failed.add(index)
+        _warn_once(str(e))
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(reason: str) -> None:
+    warnings.warn(f"qpalette decode attention runs SDPA instead of its kernel: {reason}", stacklevel=3)
+
+
+@torch.library.custom_op("qpalette::decode_attention", mutates_args=())
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                     scale: float) -> torch.Tensor:
+    return reference(q, k, v, mask, scale)
+
+
+@decode_attention.register_kernel("cuda")
+def _decode_attention_cuda(q, k, v, mask, scale):
+    if not kernel_applies(q, k, v, mask):
+        return _packed_sdpa(q, k, v, mask, scale)
+    from qpalette.runtime.ops import _num_sms, _stream
+
+    dev = q.device
+    with torch.cuda.device(dev):
+        return kernel_build.extension(dev).decode_attention(
+            q.contiguous(), k, v, None if mask is None else mask.contiguous(), scale, _stream(dev), _num_sms(dev))
+
+
+@decode_attention.register_fake
+def _(q, k, v, mask, scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def _packed_sdpa(q, k, v, mask, scale):
+    """SDPA with the G query heads of a KV head as G query rows (no copy of the cache)."""
+    b, h, d = q.shape
+    kv = k.shape[1]
+    attn_mask = None if mask is None else mask[:, None, None, :]
+    out = torch.nn.functional.scaled_dot_product_attention(q.reshape(b, kv, h // kv, d), k, v,
+                                                           attn_mask=attn_mask, scale=scale)
+    return out.reshape(b, h, d)

@@ -1,0 +1,192 @@
+"""The packed decode attention (qpalette.generation.attention) against transformers' sdpa."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qpalette.generation.attention import NAME, use_packed_attention, use_transformers_attention
+
+
+def _load(path, device="cpu", dtype=torch.float32, attn="sdpa"):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn).to(device).eval()
+
+
+def _decode_logits(model, steps: int = 4, batch: int = 2, prompt: int = 5, compiled: bool = False):
+    """Logits of `steps` greedy decode steps after a prefill, against a static cache."""
+    from qpalette.measure.bench import random_prompt, static_cache
+
+    cache = static_cache(model.config, batch, prompt + steps, model.device, model.dtype)
+    pos = torch.arange(prompt + steps, device=model.device)
+    ids = random_prompt(model, batch, prompt, seed=1)
+    forward = torch.compile(model.forward) if compiled else model.forward
+    out = []
+    with torch.no_grad():
+        logits = model(input_ids=ids, past_key_values=cache, cache_position=pos[:prompt],
+                       position_ids=pos[None, :prompt]).logits
+        for i in range(prompt, prompt + steps):
+            token = logits[:, -1:].argmax(-1)
+            logits = forward(input_ids=token, past_key_values=cache, cache_position=pos[i:i + 1],
+                             position_ids=pos[None, i:i + 1]).logits
+            out.append(logits[:, -1])
+    return torch.stack(out, 1)
+
+
+@pytest.fixture
+def sdpa_queries(monkeypatch):
+    """The query shapes SDPA is called with."""
+    seen, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def recording(q, *args, **kw):
+        seen.append(tuple(q.shape))
+        return sdpa(q, *args, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    return seen
+
+
+@pytest.fixture
+def decode_calls(monkeypatch):
+    """(query, key) shapes qpalette::decode_attention runs (its CPU implementation)."""
+    from qpalette.runtime import decode_attention as da
+
+    seen, reference = [], da.reference
+
+    def recording(q, k, *args):
+        seen.append((tuple(q.shape), tuple(k.shape)))
+        return reference(q, k, *args)
+
+    monkeypatch.setattr(da, "reference", recording)
+    return seen
+
+
+def test_packed_decode_equals_transformers_sdpa(tiny_llama_dir, sdpa_queries, decode_calls):
+    """Same logits at every decode step; decode runs qpalette::decode_attention on the cache as it
+    is (tiny Llama: 4 heads over 2 KV heads, head dim 16), the prefill transformers' sdpa."""
+    model = _load(tiny_llama_dir)
+    theirs = _decode_logits(model)
+    assert use_packed_attention(model) and model.config._attn_implementation == NAME
+    sdpa_queries.clear()
+    mine = _decode_logits(model)
+    torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+    assert decode_calls == [((2, 4, 16), (2, 2, 9, 16))] * (4 * 2)  # 4 steps × 2 blocks, cache of 5 + 4
+    assert sdpa_queries == [(2, 4, 5, 16)] * 2  # the prefill, each block
+    use_transformers_attention(model)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_decoder_with_left_padding_same_tokens(tiny_llama_dir):
+    """qpalette's decoder (its own padded 4-D mask) picks the same tokens with either attention."""
+    from qpalette.generation import Decoder, SamplingOptions
+
+    model = _load(tiny_llama_dir)
+    prompts = [[5, 6, 7, 8, 9, 10], [40, 41], [100]]
+    theirs = Decoder(model).generate_ids(prompts, 6, SamplingOptions(), stop_at_eos=False).tokens
+    assert use_packed_attention(model)
+    assert Decoder(model).generate_ids(prompts, 6, SamplingOptions(), stop_at_eos=False).tokens == theirs
+
+
+def test_only_sdpa_models_switch(tiny_llama_dir, tmp_path, decode_calls):
+    """eager stays eager; a model without grouped heads (G = 1) decodes the same through the op."""
+    from tests.tiny_llama import make_tiny_llama
+
+    assert not use_packed_attention(_load(tiny_llama_dir, attn="eager"))
+    mha = _load(make_tiny_llama(tmp_path / "mha", num_key_value_heads=4))
+    theirs = _decode_logits(mha, steps=2)
+    assert use_packed_attention(mha)
+    torch.testing.assert_close(_decode_logits(mha, steps=2), theirs)
+    assert decode_calls and all(k[1] == 4 for _, k in decode_calls)
+
+
+def test_qpalette_loads_with_packed_attention(tiny_llama_dir):
+    from qpalette.runtime.loading import load_model
+
+    assert load_model(tiny_llama_dir, "cpu", tokenizer=False)[0].config._attn_implementation == NAME
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2"])
+def test_sliding_window_models_with_left_padding(tmp_path, model_type, decode_calls):
+    """Mistral / Qwen2 configured with a sliding window shorter than the prompt: qpalette's decoder
+    (its own padded mask) and transformers' generate (the mask transformers builds, window
+    included) give the same tokens with either attention."""
+    from qpalette.generation import Decoder, SamplingOptions
+    from tests.tiny_llama import make_tiny_llama
+
+    extra = {"use_sliding_window": True} if model_type == "qwen2" else {}
+    model = _load(make_tiny_llama(tmp_path / model_type, model_type=model_type, sliding_window=4, **extra))
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42]]
+    theirs = Decoder(model).generate_ids(prompts, 6, SamplingOptions(), stop_at_eos=False).tokens
+    theirs_hf = model.generate(torch.tensor([prompts[0]]), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert use_packed_attention(model)
+    assert Decoder(model).generate_ids(prompts, 6, SamplingOptions(), stop_at_eos=False).tokens == theirs
+    assert torch.equal(model.generate(torch.tensor([prompts[0]]), max_new_tokens=6, do_sample=False, pad_token_id=0),
+                       theirs_hf)
+    assert decode_calls
+
+
+def test_dynamic_cache_generate_without_a_mask(tiny_llama_dir, decode_calls):
+    """transformers' own generate (dynamic cache, no padding: no mask at decode) decodes the same."""
+    model = _load(tiny_llama_dir)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    theirs = model.generate(ids, **kw)
+    assert use_packed_attention(model)
+    assert torch.equal(model.generate(ids, **kw), theirs) and len(decode_calls) == 4 * 2
+
+
+class _Heads(torch.nn.Module):
+    num_key_value_groups = 2
+    is_causal = True
+
+
+@pytest.mark.parametrize("case", ["wider keys (MLA)", "longer mask", "one query row for a batch"])
+def test_shapes_the_op_does_not_take_go_to_transformers(case, decode_calls):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from qpalette.generation.attention import packed_gqa_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(2, 4, 1, 16, generator=g), torch.randn(2, 2, 7, 16, generator=g), torch.randn(2, 2, 7, 16, generator=g)
+    mask = torch.ones(2, 1, 1, 7, dtype=torch.bool)
+    if case == "wider keys (MLA)":
+        q, k = torch.randn(2, 4, 1, 24, generator=g), torch.randn(2, 2, 7, 24, generator=g)
+    elif case == "longer mask":
+        mask = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+        mask[..., -2:] = False  # a mask over 9 keys for a 7-key cache
+    else:
+        q, mask = q[:1], mask[:1]
+    if case == "longer mask":
+        with pytest.raises(RuntimeError):  # transformers' sdpa refuses it, and so do we
+            packed_gqa_attention(_Heads(), q, k, v, mask, scaling=0.25)
+    else:
+        out, _ = packed_gqa_attention(_Heads(), q, k, v, mask, scaling=0.25)
+        torch.testing.assert_close(out, sdpa_attention_forward(_Heads(), q, k, v, mask, scaling=0.25)[0])
+    assert decode_calls == []
+
+
+def test_opt_out(tiny_llama_dir, monkeypatch):
+    monkeypatch.setenv("QPALETTE_ATTENTION", "sdpa")
+    model = _load(tiny_llama_dir)
+    assert not use_packed_attention(model) and model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.gpu
+def test_packed_decode_compiled_on_gpu(tmp_path, monkeypatch):
+    """fp16 on CUDA, compiled as the decode loop is, head dim 64 (the kernel's): the packed
+    attention against transformers'."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from qpalette.runtime import decode_attention as da
+    from tests.tiny_llama import make_tiny_llama
+
+    model = _load(make_tiny_llama(tmp_path / "d64", hidden_size=256, head_dim=64), "cuda", torch.float16)
+    torch._dynamo.reset()
+    theirs = _decode_logits(model, compiled=True)
+    used, applies = [], da.kernel_applies
+    monkeypatch.setattr(da, "kernel_applies", lambda *a: used.append(applies(*a)) or used[-1])
+    use_packed_attention(model)
+    torch._dynamo.reset()
+    torch.testing.assert_close(_decode_logits(model, compiled=True), theirs, rtol=2e-3, atol=2e-3)
+    assert used and all(used)
