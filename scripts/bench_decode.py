@@ -10,7 +10,7 @@ deleted. A variant whose OUT/bench_KEY.json exists is skipped, so a run cut shor
 continues where it stopped. OUT has the layout scripts/make_results.py reads.
 
     python scripts/bench_decode.py MODEL --work W --out OUT [--schemes 2bit=tcq-2.0,4bit=nuq-4]
-        [--plans plan_speed230.json,...] [--batch-sizes 1,8] [--ways loop,generate]
+        [--plans plan_speed230.json,...] [--batch-sizes 1,8] [--ways loop,generate] [--attention sdpa]
 
 MODEL: a local model folder, or synthetic:CONFIG (e.g. synthetic:llama-3.1-8b: random weights of
 that model's shapes, made once into W/synthetic). Prints loop tok/s and the ratio to fp16.
@@ -100,6 +100,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gen-len", type=int, default=64)
     ap.add_argument("--ways", default="loop", help="of qpalette bench: decoder, generate, loop")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--attention", choices=("qpalette", "sdpa"), default="qpalette",
+                    help="of qpalette bench: qpalette's decode attention or transformers' sdpa (every variant)")
     args = ap.parse_args(argv)
     try:
         todo = variants(args.schemes, args.plans, lm_head=not args.no_lm_head)
@@ -109,7 +111,7 @@ def main(argv=None) -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
     options = {"batch_sizes": batch_sizes, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
-               "ways": args.ways.split(","), "device": args.device}
+               "ways": args.ways.split(","), "device": args.device, "attention": args.attention}
     try:
         model = source_model(args.model, args.work)
         for key, (what, lm_head) in todo.items():

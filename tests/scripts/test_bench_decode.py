@@ -35,6 +35,7 @@ def test_variants_and_resume(tiny_llama_dir, tmp_path, capsys):
     assert not list((tmp_path / "w").glob("q_*"))  # compressed copies deleted
     assert json.loads((out / "bench_2bit.json").read_text())["quantized"] is True
     assert json.loads((out / "bench_fp16.json").read_text())["quantized"] is False
+    assert json.loads((out / "bench_fp16.json").read_text())["attention"] == "qpalette_sdpa"
     assert "× fp16" in capsys.readouterr().out
     stamps = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
     # continued: the measured variants are kept as they are, only the new one is timed
@@ -70,3 +71,8 @@ def test_a_finished_compressed_copy_is_timed_without_compressing_again(tiny_llam
     monkeypatch.setattr(script.api, "compress", no_compress)
     assert script.main(_args(tiny_llama_dir, tmp_path, "--schemes", "2bit=tcq-2.0", "--no-lm-head")) == 0
     assert (tmp_path / "out" / "bench_2bit.json").is_file() and not (tmp_path / "w" / "q_2bit").exists()
+
+
+def test_transformers_attention(tiny_llama_dir, tmp_path):
+    assert _script().main(_args(tiny_llama_dir, tmp_path, "--schemes", "", "--attention", "sdpa")) == 0
+    assert json.loads((tmp_path / "out" / "bench_fp16.json").read_text())["attention"] == "sdpa"
