@@ -484,6 +484,28 @@ def experts(folder: Path) -> list[str]:
     return out + [""]
 
 
+ATTENTION_WAYS = ("transformers sdpa", "packed sdpa", "qpalette kernel")
+
+
+def attention(folder: Path) -> list[str]:
+    """(h): one decode layer's attention, transformers' sdpa vs qpalette's kernel (scripts/bench_attention.py)."""
+    out = ["## (h) Decode attention: one Llama-3.1-8B layer (32 query heads over 8 KV heads), `scripts/bench_attention.py`", ""]
+    run = load(folder / "bench_attention.json")
+    if not run:
+        return out + ["(no data)", ""]
+    out += [f"{run['device']}, float16, µs a layer under CUDA-graph replay with the caches out of L2; roofline = "
+            f"K and V read once at the copy bandwidth ({run['copy_bandwidth'] / 1e12:.2f} TB/s). transformers sdpa "
+            "copies the cache to every query head, packed sdpa runs the query heads of a KV head as rows of one "
+            f"SDPA call, qpalette kernel is `qpalette::decode_attention` (`{folder}/README.md`).", "",
+            "| batch | cached keys | roofline | " + " | ".join(ATTENTION_WAYS) + " | kernel vs transformers |",
+            "|---|---|---|" + "---|" * len(ATTENTION_WAYS) + "---|"]
+    for r in run["rows"]:
+        times = " | ".join(f"{r[f'{w} us']:.1f}" for w in ATTENTION_WAYS)
+        gain = r["transformers sdpa us"] / r["qpalette kernel us"]
+        out.append(f"| {r['batch']} | {r['length']} | {r['roofline_us']:.1f} | {times} | {gain:.1f}× |")
+    return out + [""]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", type=Path, default=Path("results"))
@@ -505,6 +527,7 @@ def main() -> None:
     lines += generation(res / "generate_h100")
     lines += data_aware(res / "sweep_smollm2_data_aware", figdir)
     lines += experts(res / "moe_h100")
+    lines += attention(res / "decode_attention_h100")
     lines += (targets(sweep, res / SPEED_RUNS)[:-1] + generation_targets(res / "generate_h100")
               + data_aware_targets(res / "sweep_smollm2_data_aware") + [""])
     args.out.write_text("\n".join(lines) + "\n")

@@ -31,6 +31,11 @@ def test_make_results_regenerates_report_from_results(tmp_path):
         loop = json.loads((speed / f"bench_{key}.json").read_text())["rows"][0]["loop_tok_per_s"]
         assert f"| speed plan {key} lands within 5% of its planned tok/s | loop {loop / planned:.3f} of {planned:.1f} |" in targets
     assert "host time of one graph call" in text
+    att = json.loads((ROOT / "results" / "decode_attention_h100" / "bench_attention.json").read_text())["rows"]
+    for r in att:  # every row, the kernel's µs and its gain over transformers' path from the file
+        gain = r["transformers sdpa us"] / r["qpalette kernel us"]
+        assert f"| {r['batch']} | {r['length']} | {r['roofline_us']:.1f} |" in text
+        assert f"{r['qpalette kernel us']:.1f} | {gain:.1f}× |" in text
 
 
 def _row(name, kind, bits, ppl, **kw):
