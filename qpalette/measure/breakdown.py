@@ -99,7 +99,8 @@ def main() -> None:
     model = load_model(a.model, "cuda", tokenizer=False)[0]
     if a.attention == "sdpa":
         use_transformers_attention(model)
-    res = {"model": a.model, "batch": a.batch, "attention": model.config._attn_implementation, "device": torch.cuda.get_device_name(), **breakdown(model, a.batch, a.steps)}
+    res = {"model": a.model, "batch": a.batch, "attention": model.config._attn_implementation,
+           "device": torch.cuda.get_device_name(), **breakdown(model, a.batch, a.steps)}
     res["graph_step_s"] = decode_loop_step_time(model, a.batch, 64, 32, True, 0)
     res["host_call_s"] = host_call_time(model, a.batch)
     res["tensors"] = sum(1 for _ in model.parameters()) + sum(1 for _ in model.buffers())

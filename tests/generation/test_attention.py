@@ -100,10 +100,16 @@ def test_only_sdpa_models_switch(tiny_llama_dir, tmp_path, decode_calls):
     assert decode_calls and all(k[1] == 4 for _, k in decode_calls)
 
 
-def test_qpalette_loads_with_packed_attention(tiny_llama_dir):
+def test_qpalette_loads_with_packed_attention(tiny_llama_dir, tmp_path):
+    """qpalette's loader (any model) and transformers' from_pretrained of a qpalette checkpoint."""
+    from helpers import run_compress
+    from transformers import AutoModelForCausalLM
+
     from qpalette.runtime.loading import load_model
 
     assert load_model(tiny_llama_dir, "cpu", tokenizer=False)[0].config._attn_implementation == NAME
+    run_compress(tiny_llama_dir, tmp_path / "q", scheme="nuq-4")
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "q").config._attn_implementation == NAME
 
 
 @pytest.mark.parametrize("model_type", ["mistral", "qwen2"])
