@@ -34,7 +34,7 @@ def transformers_sdpa(q, k, v, mask, scale):
     return out[:, :, 0]
 
 
-WAYS = {"transformers sdpa": transformers_sdpa, "packed sdpa": da._packed_sdpa,
+WAYS = {"transformers sdpa": transformers_sdpa, "packed sdpa": da.packed_sdpa,
         "qpalette kernel": lambda *a: da.decode_attention(*a)}
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from qpalette import api
 from qpalette.errors import InputError, QpaletteError
 from qpalette.fileio import read_json_object
+from qpalette.measure.bench import ATTENTIONS
 
 
 def variants(schemes: str, plans: str, lm_head: bool = True) -> dict[str, tuple[str | None, bool]]:
@@ -100,7 +101,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gen-len", type=int, default=64)
     ap.add_argument("--ways", default="loop", help="of qpalette bench: decoder, generate, loop")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--attention", choices=("qpalette", "sdpa"), default="qpalette",
+    ap.add_argument("--attention", choices=ATTENTIONS, default="qpalette",
                     help="of qpalette bench: qpalette's decode attention or transformers' sdpa (every variant)")
     args = ap.parse_args(argv)
     try:

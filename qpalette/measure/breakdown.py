@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from qpalette.generation.attention import use_transformers_attention
-from qpalette.measure.bench import DecodeLoop, decode_loop_step_time
+from qpalette.measure.bench import ATTENTIONS, DecodeLoop, decode_loop_step_time
 from qpalette.runtime.loading import load_model
 
 KINDS = (  # first match wins: (kind, substrings of the kernel name, lower case)
@@ -91,7 +91,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--attention", choices=("qpalette", "sdpa"), default="qpalette",
+    ap.add_argument("--attention", choices=ATTENTIONS, default="qpalette",
                     help="qpalette's packed decode attention or transformers' sdpa")
     a = ap.parse_args()
     if not torch.cuda.is_available():

@@ -17,6 +17,7 @@ import torch
 
 from qpalette.errors import KernelError
 from qpalette.runtime import kernel_build
+from qpalette.runtime.ops import _num_sms, _stream
 
 KERNEL_HEAD_DIMS = (64, 128)
 KERNEL_MAX_GROUPS = 8
@@ -82,9 +83,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Op
 @decode_attention.register_kernel("cuda")
 def _decode_attention_cuda(q, k, v, mask, scale):
     if not kernel_applies(q, k, v, mask):
-        return _packed_sdpa(q, k, v, mask, scale)
-    from qpalette.runtime.ops import _num_sms, _stream
-
+        return packed_sdpa(q, k, v, mask, scale)
     dev = q.device
     with torch.cuda.device(dev):
         return kernel_build.extension(dev).decode_attention(
@@ -96,7 +95,7 @@ def _(q, k, v, mask, scale):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
-def _packed_sdpa(q, k, v, mask, scale):
+def packed_sdpa(q, k, v, mask, scale):
     """SDPA with the G query heads of a KV head as G query rows (no copy of the cache)."""
     b, h, d = q.shape
     kv = k.shape[1]

@@ -4,7 +4,7 @@
 // Why our own: SDPA's kernels are built for prefill. At decode transformers either copies the
 // cache to every query head (repeat_kv) or, packed, gives cuDNN 8 (b, kv) pairs of 4 query rows:
 // at batch 1 both take 17–81 µs a layer for 1–4k cached keys, 3–14× the time to read the cache
-// once (measured on an H100, results/kernels_h100/NOTES.md). Here the G query heads of a KV head
+// once (measured on an H100, results/decode_attention_h100/README.md). Here the G query heads of a KV head
 // share every key and value load, and the length is split over enough CTAs to fill the GPU.
 //
 // decode_attention_kernel: grid (splits, B·KV), 4 warps. Warp w takes keys in blocks of 32, one key
@@ -18,6 +18,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "qpalette_fwht.cuh"  // Cvt: fp16/bf16 ↔ float
 #include "qpalette_kernels.h"
 
 namespace qp {
@@ -36,19 +37,6 @@ template <>
 __device__ __forceinline__ float2 pair_to_float2<__nv_bfloat16>(unsigned w) {
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
 }
-template <class T>
-__device__ __forceinline__ float to_float(T v);
-template <>
-__device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
-template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <class T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL, v, o));
@@ -74,7 +62,7 @@ __device__ __forceinline__ float mask_term(const DecodeAttentionArgs& a, int b, 
   if (a.mask_kind == MASK_NONE) return 0.f;
   const long long at = static_cast<long long>(b) * a.mask_batch_stride + j;
   if (a.mask_kind == MASK_BOOL) return static_cast<const uint8_t*>(a.mask)[at] ? 0.f : -INFINITY;
-  return to_float(static_cast<const T*>(a.mask)[at]);
+  return Cvt<T>::to_float(static_cast<const T*>(a.mask)[at]);
 }
 
 template <class T, int D, int G>
@@ -92,7 +80,7 @@ __global__ void __launch_bounds__(WARPS * 32) decode_attention_kernel(DecodeAtte
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   T* staged = reinterpret_cast<T*>(pool) + warp * 32 * D;
   const T* q = static_cast<const T*>(a.q) + (static_cast<long long>(b) * a.heads + kvh * G) * D;
-  for (int i = threadIdx.x; i < G * D; i += blockDim.x) qs[i / D][i % D] = to_float(q[i]) * a.scale;
+  for (int i = threadIdx.x; i < G * D; i += blockDim.x) qs[i / D][i % D] = Cvt<T>::to_float(q[i]) * a.scale;
   __syncthreads();
   const long long head = static_cast<long long>(bk) * a.length * D;
   const T* keys = static_cast<const T*>(a.k) + head;
@@ -194,7 +182,7 @@ __global__ void __launch_bounds__(WARPS * 32) decode_attention_kernel(DecodeAtte
     }
     if (splits == 1) {
       T* o = static_cast<T*>(a.out) + (static_cast<long long>(b) * a.heads + kvh * G + g) * D;
-      o[d] = from_float<T>(sum > 0.f ? out / sum : 0.f);
+      o[d] = Cvt<T>::from_float(sum > 0.f ? out / sum : 0.f);
     } else {
       float* part = a.partial + ((static_cast<long long>(bk) * splits + blockIdx.x) * G + g) * (D + 2);
       part[d] = out;
@@ -219,7 +207,7 @@ __global__ void __launch_bounds__(D) decode_attention_combine(DecodeAttentionArg
     sum += part[s * step + D + 1] * wt;
     out += part[s * step + d] * wt;
   }
-  static_cast<T*>(a.out)[static_cast<long long>(bh) * D + d] = from_float<T>(sum > 0.f ? out / sum : 0.f);
+  static_cast<T*>(a.out)[static_cast<long long>(bh) * D + d] = Cvt<T>::from_float(sum > 0.f ? out / sum : 0.f);
 }
 
 template <class T, int D, int G>
