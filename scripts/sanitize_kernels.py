@@ -9,8 +9,9 @@ one palette entry of every decoder variant (TCQ with a one- and a two-lane halo,
 VQ), both 16-bit dtypes, batch 1 and 8 on the GEMV (a padded last lane group, a shape with more
 warps than groups, clusters of 8 CTAs) and batch 9 on the dequantize kernel, the rotation fused
 into the GEMV (inputs 4096, 1536 = 12·128 and 14336 = 28·512 over a cluster; batch 1 and 8), and
-the Hadamard kernel, and the encoder's Viterbi (KV 2, 8, 10); every result is also checked
-against the PyTorch reference.
+the Hadamard kernel, the decode attention (one split and several with their merge, a bool and an
+additive mask, batch 1 and 3, head dim 64 and 128) and the encoder's Viterbi (KV 2, 8, 10);
+every result is also checked against the PyTorch reference.
 Logs go to DIR/sanitize_<tool>.log; the exit code is 0 only when no tool reports anything in
 qpalette's kernels (reports in other libraries' kernels, e.g. racecheck on cuBLAS, are counted
 and shown, not failed on) and every sample result matches.
@@ -57,6 +58,7 @@ def sample() -> int:
     signs = random_signs(14336, 2)
     y = ops.rotate(x, pack_signs(signs).cuda())
     bad += _report("hadamard 14336", y, rotate_input(x.float(), signs.cuda()))
+    bad += _attention_sample(gen)
     bad += _viterbi_sample(gen)
     torch.cuda.synchronize()
     print(f"sample done: {bad} mismatches")
@@ -79,6 +81,31 @@ def _rotated_sample(name: str, rows: int, cols: int, gen) -> int:
         x = torch.randn(m, cols, generator=gen).half().cuda()
         y = ops.rotated_matmul(x, pack_signs(signs).cuda(), name, lanes.pack(name, stored), (rows, cols))
         bad += _report(f"{name} {rows}x{cols} rotated m={m}", y, rotate_input(x.float(), signs.cuda()) @ w.T)
+    return bad
+
+
+def _attention_sample(gen) -> int:
+    """qpalette::decode_attention (kernel) against its reference: one split (80 keys), several
+    (4097 keys: splits and their merge), bool / additive masks, batch 1 and 3, head dims 64/128."""
+    import torch
+
+    from qpalette.runtime import decode_attention as da
+
+    bad = 0
+    for b, length, d, kind in ((1, 80, 128, "bool"), (3, 4097, 128, "add"), (3, 300, 64, "bool"), (1, 4097, 64, None)):
+        q = torch.randn(b, 32, d, generator=gen).half().cuda()
+        k, v = (torch.randn(b, 8, length, d, generator=gen).half().cuda() for _ in range(2))
+        mask = None
+        if kind:
+            keep = (torch.rand(b, length, generator=gen) > 0.2).cuda()
+            mask = keep if kind == "bool" else torch.where(keep, 0.0, -1e4).half()
+        if not da.kernel_applies(q, k, v, mask):
+            print(f"MISMATCH attention b={b} L={length} d={d}: the kernel does not take it")
+            bad += 1
+            continue
+        y = da.decode_attention(q, k, v, mask, d ** -0.5)
+        ref = da.reference(q, k, v, mask, d ** -0.5)
+        bad += _report(f"attention b={b} L={length} d={d} mask={kind}", y, ref)
     return bad
 
 
@@ -146,7 +173,7 @@ def main() -> int:
     return 1 if failed else 0
 
 
-OUR_KERNELS = ("gemv_kernel", "dequant_kernel", "hadamard_kernel")
+OUR_KERNELS = ("gemv_kernel", "dequant_kernel", "hadamard_kernel", "decode_attention")
 
 
 def classify(output: str) -> tuple[int, int]:

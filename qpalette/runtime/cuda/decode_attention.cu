@@ -14,11 +14,15 @@
 // the 32 probabilities come by shuffle. The 4 warps' (max, sum, acc) merge in shared memory; with one
 // split that is the output, else a partial (acc, max, sum) per (b, kv, split, g) that
 // decode_attention_combine merges over the splits. Fully masked: output 0.
+// The last kernel of the two lets the next one start at once (programmatic dependent launch): the
+// next is usually o_proj's GEMV, whose table fill and first code loads then overlap the attention;
+// it reads the attention's output only after griddepcontrol.wait.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include "qpalette_fwht.cuh"  // Cvt: fp16/bf16 ↔ float
+#include "qpalette_hopper.cuh"
 #include "qpalette_kernels.h"
 
 namespace qp {
@@ -67,6 +71,7 @@ __device__ __forceinline__ float mask_term(const DecodeAttentionArgs& a, int b, 
 
 template <class T, int D, int G>
 __global__ void __launch_bounds__(WARPS * 32) decode_attention_kernel(DecodeAttentionArgs a, int chunk, int splits) {
+  if (splits == 1) pdl_launch_dependents();
   constexpr int PER_LANE = D / 32;  // value dims a lane owns
   constexpr int ROW_CHUNKS = D / 8;  // 16-byte pieces of a key or value row
   // a warp's 32 value rows, staged while its scores are computed; after the loop the same bytes
@@ -194,6 +199,7 @@ __global__ void __launch_bounds__(WARPS * 32) decode_attention_kernel(DecodeAtte
 // One block per (b, h), one thread per dim: the splits' partials of decode_attention_kernel merged.
 template <class T, int D>
 __global__ void __launch_bounds__(D) decode_attention_combine(DecodeAttentionArgs a, int groups, int splits) {
+  pdl_launch_dependents();
   const int bh = blockIdx.x, b = bh / a.heads, h = bh % a.heads, d = threadIdx.x;
   const long long bk = static_cast<long long>(b) * a.kv_heads + h / groups;
   const float* part = a.partial + (bk * splits * groups + h % groups) * (D + 2);
