@@ -85,13 +85,35 @@ __global__ void __launch_bounds__(WARPS * 32) decode_attention_kernel(DecodeAtte
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   T* staged = reinterpret_cast<T*>(pool) + warp * 32 * D;
   const T* q = static_cast<const T*>(a.q) + (static_cast<long long>(b) * a.heads + kvh * G) * D;
-  for (int i = threadIdx.x; i < G * D; i += blockDim.x) qs[i / D][i % D] = Cvt<T>::to_float(q[i]) * a.scale;
-  __syncthreads();
   const long long head = static_cast<long long>(bk) * a.length * D;
   const T* keys = static_cast<const T*>(a.k) + head;
   const T* values = static_cast<const T*>(a.v) + head;
   const int begin = blockIdx.x * chunk;
   const int end = min(begin + chunk, a.length);
+  // a block's value rows start copying to shared memory, its key rows and mask terms to registers
+  auto stage_values = [&](int base) {
+    const int n = min(32, end - base);
+    for (int c = lane; c < n * ROW_CHUNKS; c += 32)
+      cp_async16(staged + c * 8, values + static_cast<long long>(base) * D + c * 8);
+  };
+  uint4 u[ROW_CHUNKS];
+  float bias = 0.f;
+  auto load_keys = [&](int base) {
+    const int j = base + lane;
+    if (j < end) {
+      const uint4* row = reinterpret_cast<const uint4*>(keys + static_cast<long long>(j) * D);
+#pragma unroll
+      for (int c = 0; c < ROW_CHUNKS; ++c) u[c] = __ldg(row + c);
+      bias = mask_term<T>(a, b, j);
+    }
+  };
+  int base = begin + warp * 32;
+  if (base < end) {  // the first block's loads in flight while the queries are staged
+    stage_values(base);
+    load_keys(base);
+  }
+  for (int i = threadIdx.x; i < G * D; i += blockDim.x) qs[i / D][i % D] = Cvt<T>::to_float(q[i]) * a.scale;
+  __syncthreads();
   float m[G], l[G], acc[G][PER_LANE];
 #pragma unroll
   for (int g = 0; g < G; ++g) {
@@ -100,19 +122,13 @@ __global__ void __launch_bounds__(WARPS * 32) decode_attention_kernel(DecodeAtte
 #pragma unroll
     for (int i = 0; i < PER_LANE; ++i) acc[g][i] = 0.f;
   }
-  for (int base = begin + warp * 32; base < end; base += WARPS * 32) {
+  for (; base < end; base += WARPS * 32) {
     const int n = min(32, end - base);
-    for (int c = lane; c < n * ROW_CHUNKS; c += 32)  // the block's value rows, in flight meanwhile
-      cp_async16(staged + c * 8, values + static_cast<long long>(base) * D + c * 8);
-    const int j = base + lane;
     float s[G];
+    if (base + lane < end) {
+      float s2[G];  // two partial sums a query: half the dependent chain
 #pragma unroll
-    for (int g = 0; g < G; ++g) s[g] = 0.f;
-    if (j < end) {
-      const uint4* row = reinterpret_cast<const uint4*>(keys + static_cast<long long>(j) * D);
-      uint4 u[ROW_CHUNKS];
-#pragma unroll
-      for (int c = 0; c < ROW_CHUNKS; ++c) u[c] = __ldg(row + c);
+      for (int g = 0; g < G; ++g) s[g] = 0.f, s2[g] = 0.f;
 #pragma unroll
       for (int c = 0; c < ROW_CHUNKS; ++c) {
         const float2 f0 = pair_to_float2<T>(u[c].x), f1 = pair_to_float2<T>(u[c].y);
@@ -121,17 +137,18 @@ __global__ void __launch_bounds__(WARPS * 32) decode_attention_kernel(DecodeAtte
         for (int g = 0; g < G; ++g) {
           const float4 qa = *reinterpret_cast<const float4*>(&qs[g][c * 8]);
           const float4 qb = *reinterpret_cast<const float4*>(&qs[g][c * 8 + 4]);
-          s[g] += qa.x * f0.x + qa.y * f0.y + qa.z * f1.x + qa.w * f1.y + qb.x * f2.x + qb.y * f2.y + qb.z * f3.x +
-                  qb.w * f3.y;
+          float& t = c & 1 ? s2[g] : s[g];
+          t += qa.x * f0.x + qa.y * f0.y + qa.z * f1.x + qa.w * f1.y + qb.x * f2.x + qb.y * f2.y + qb.z * f3.x +
+               qb.w * f3.y;
         }
       }
-      const float bias = mask_term<T>(a, b, j);
 #pragma unroll
-      for (int g = 0; g < G; ++g) s[g] += bias;
+      for (int g = 0; g < G; ++g) s[g] += s2[g] + bias;
     } else {
 #pragma unroll
       for (int g = 0; g < G; ++g) s[g] = -INFINITY;
     }
+    if (base + WARPS * 32 < end) load_keys(base + WARPS * 32);  // the next block's keys during this one's values
 #pragma unroll
     for (int g = 0; g < G; ++g) {  // online softmax; s[g] becomes this key's weight
       const float m_new = fmaxf(m[g], warp_max(s[g]));
@@ -164,6 +181,7 @@ __global__ void __launch_bounds__(WARPS * 32) decode_attention_kernel(DecodeAtte
       }
     }
     __syncwarp();  // every lane done with the staged rows before the next block's copies
+    if (base + WARPS * 32 < end) stage_values(base + WARPS * 32);
   }
   __syncthreads();  // the staging bytes become the partial sums
   float(*red_acc)[G][D] = reinterpret_cast<float(*)[G][D]>(pool);
