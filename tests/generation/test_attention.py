@@ -205,5 +205,4 @@ def test_packed_decode_compiled_on_gpu(tmp_path, monkeypatch):
     mine = _decode_logits(model, compiled=True, tokens=feed).float()
     err_mine, err_theirs = (mine - exact).abs().max().item(), (theirs - exact).abs().max().item()
     assert err_mine <= 1.5 * err_theirs + 1e-3, (err_mine, err_theirs)
-    torch.testing.assert_close(mine, theirs, rtol=0, atol=4 * err_theirs + 4e-3)
     assert used and all(used)
