@@ -9,8 +9,8 @@ one palette entry of every decoder variant (TCQ with a one- and a two-lane halo,
 VQ), both 16-bit dtypes, batch 1 and 8 on the GEMV (a padded last lane group, a shape with more
 warps than groups, clusters of 8 CTAs) and batch 9 on the dequantize kernel, the rotation fused
 into the GEMV (inputs 4096, 1536 = 12·128 and 14336 = 28·512 over a cluster; batch 1 and 8), and
-the Hadamard kernel, the decode attention (one split and several with their merge, a bool and an
-additive mask, batch 1 and 3, head dim 64 and 128) and the encoder's Viterbi (KV 2, 8, 10);
+the Hadamard kernel, the decode attention (one split and several with their merge, bool, additive
+and shared masks, batch 1–3, head dim 64 and 128, fp16 and bf16) and the encoder's Viterbi (KV 2, 8, 10);
 every result is also checked against the PyTorch reference.
 Logs go to DIR/sanitize_<tool>.log; the exit code is 0 only when no tool reports anything in
 qpalette's kernels (reports in other libraries' kernels, e.g. racecheck on cuBLAS, are counted
@@ -86,26 +86,30 @@ def _rotated_sample(name: str, rows: int, cols: int, gen) -> int:
 
 def _attention_sample(gen) -> int:
     """qpalette::decode_attention (kernel) against its reference: one split (80 keys), several
-    (4097 keys: splits and their merge), bool / additive masks, batch 1 and 3, head dims 64/128."""
+    (4097 keys: splits and their merge), bool / additive / one shared mask row, batch 1–3, head
+    dims 64/128, 1/4/8 query heads a KV head, fp16 and bf16."""
     import torch
 
     from qpalette.runtime import decode_attention as da
 
     bad = 0
-    for b, length, d, kind in ((1, 80, 128, "bool"), (3, 4097, 128, "add"), (3, 300, 64, "bool"), (1, 4097, 64, None)):
-        q = torch.randn(b, 32, d, generator=gen).half().cuda()
-        k, v = (torch.randn(b, 8, length, d, generator=gen).half().cuda() for _ in range(2))
+    cases = ((1, 80, 128, "bool", 4, torch.float16), (3, 4097, 128, "add", 4, torch.float16),
+             (3, 300, 64, "bool", 8, torch.bfloat16), (1, 4097, 64, None, 4, torch.float16),
+             (2, 700, 128, "shared", 1, torch.bfloat16))
+    for b, length, d, kind, groups, dtype in cases:
+        q = torch.randn(b, 8 * groups, d, generator=gen).to(dtype).cuda()
+        k, v = (torch.randn(b, 8, length, d, generator=gen).to(dtype).cuda() for _ in range(2))
         mask = None
-        if kind:
-            keep = (torch.rand(b, length, generator=gen) > 0.2).cuda()
-            mask = keep if kind == "bool" else torch.where(keep, 0.0, -1e4).half()
+        if kind:  # (B, L), or one row for every batch row ("shared")
+            keep = (torch.rand(1 if kind == "shared" else b, length, generator=gen) > 0.2).cuda()
+            mask = torch.where(keep, 0.0, -1e4).to(dtype) if kind == "add" else keep
         if not da.kernel_applies(q, k, v, mask):
             print(f"MISMATCH attention b={b} L={length} d={d}: the kernel does not take it")
             bad += 1
             continue
         y = da.decode_attention(q, k, v, mask, d ** -0.5)
         ref = da.reference(q, k, v, mask, d ** -0.5)
-        bad += _report(f"attention b={b} L={length} d={d} mask={kind}", y, ref)
+        bad += _report(f"attention b={b} L={length} d={d} G={groups} {dtype} mask={kind}", y, ref)
     return bad
 
 
