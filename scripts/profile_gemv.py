@@ -7,8 +7,9 @@ reading (stall reasons, issue rate, memory throughput), without the benchmark's 
 
 Each shape gets random codes of the entry (speed does not depend on their values), a warm-up call
 outside any range (it builds the kernels and uploads the table), then exactly one call inside the
-NVTX range `qpalette/ENTRY/OUTxIN/bB[/rotated]`, so `--nvtx-include "qpalette/"` selects one
-launch a shape. Without a GPU it runs the same calls on the reference (a dry run of the arguments).
+NVTX push/pop range `qpalette` (no slash in the name: ncu reads "/" as nesting), so
+`--nvtx-include "qpalette/"` selects one launch a shape, in the order printed.
+Without a GPU it runs the same calls on the reference (a dry run of the arguments).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from qpalette.quant.incoherence import pack_signs, random_signs  # noqa: E402
 from qpalette.quant.palette import get_quantizer  # noqa: E402
 from qpalette.runtime import lanes, ops  # noqa: E402
 
+NVTX_RANGE = "qpalette"
+
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
     """'4096x14336,14336x4096' → [(4096, 14336), (14336, 4096)] (rows = out features, cols = in)."""
@@ -41,7 +44,7 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 
 
 def profile_one(entry: str, rows: int, cols: int, batch: int, rotate: bool, device: torch.device) -> str:
-    """Warm up, then one call inside the shape's NVTX range; returns the range's name."""
+    """Warm up, then one call inside the NVTX range `qpalette`; returns what it was."""
     gen = torch.Generator().manual_seed(0)
     stored = {k: v.to(device) for k, v in get_quantizer(entry).random_tensors(rows, cols, gen).items()}
     tensors = lanes.pack(entry, stored)
@@ -54,10 +57,10 @@ def profile_one(entry: str, rows: int, cols: int, batch: int, rotate: bool, devi
         return ops.rotated_matmul(x, signs, entry, tensors, (rows, cols))
 
     call()
-    name = f"qpalette/{entry}/{rows}x{cols}/b{batch}" + ("/rotated" if rotate else "")
+    name = f"{entry} {rows}x{cols} batch {batch}" + (" rotated" if rotate else "")
     if device.type == "cuda":
         torch.cuda.synchronize()
-        torch.cuda.nvtx.range_push(name)
+        torch.cuda.nvtx.range_push(NVTX_RANGE)
         call()
         torch.cuda.nvtx.range_pop()
         torch.cuda.synchronize()

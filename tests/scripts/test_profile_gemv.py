@@ -11,7 +11,7 @@ def test_dry_run_names_one_range_a_shape(capsys):
     script = load_script("profile_gemv")
     assert script.main(["--entry", "half-tcq-3.25", "--shapes", "32x256,64x512", "--batch", "3", "--rotate"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[1:] == ["qpalette/half-tcq-3.25/32x256/b3/rotated", "qpalette/half-tcq-3.25/64x512/b3/rotated"]
+    assert lines[1:] == ["half-tcq-3.25 32x256 batch 3 rotated", "half-tcq-3.25 64x512 batch 3 rotated"]
 
 
 @pytest.mark.parametrize("args, message", [
