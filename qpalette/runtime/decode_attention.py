@@ -17,11 +17,10 @@ import torch
 
 from qpalette.errors import KernelError
 from qpalette.runtime import kernel_build
-from qpalette.runtime.ops import _num_sms, _stream
+from qpalette.runtime.ops import KERNEL_DTYPES, _num_sms, _stream
 
 KERNEL_HEAD_DIMS = (64, 128)
 KERNEL_MAX_GROUPS = 8
-KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 KERNEL_MAX_GRID_Y = 65535  # batch × KV heads: one CTA row each
 
 
