@@ -104,8 +104,8 @@ def fuses_rotation(in_features: int, rows: int) -> bool:
     """Whether a layer calls `rotated_matmul` (the GEMV rotates x itself) for this input size and
     number of activation rows, else one rotation shared by the input group and `quantized_matmul`.
     QPALETTE_FUSED_ROTATION=1 / 0 forces either; the default fuses at batch 1 only, where the
-    measurements on the H100 favour it (results/kernels_h100/v2/README.md): the fused prologue
-    transforms the rows one after another, so at batch 8 the shared rotation kernel wins."""
+    measurements on the H100 favour it: at batch 8 the fused prologue (its rows split over a
+    cluster of CTAs) is no faster than the shared rotation kernel (results/kernels_h100/v6/)."""
     if not gemv_rotates(in_features):
         return False
     mode = _fused_rotation_mode()

@@ -18,7 +18,8 @@
 // `griddepcontrol.wait`: with programmatic dependent launch that prologue overlaps the previous
 // kernel; x is read and y written only after it (the reducers fetch each round's row scales at
 // the round's start). With `signs` the staging also rotates x (stage_x_rotated), each CTA its own
-// columns.
+// columns; at batch > 1 with K = 1 a cluster of CTAs splits the rows' transforms and shares them
+// through distributed shared memory (share_rotated_rows).
 // half-TCQ: segment 0 (codes_a, the first half of the columns) and segment 1 (codes_b) are
 // consecutive ranges of groups; a warp decodes each group with its segment's decoder.
 #pragma once
@@ -42,6 +43,8 @@ namespace qp {
 
 constexpr int NG = 2;        // groups a warp owns
 constexpr int MAX_WARPS = 16;
+constexpr int MAX_ROWS = 8;  // activation rows of the fused GEMV (the mma's n)
+constexpr int MAX_ROTATION_CLUSTER = 8;  // CTAs sharing the rows' rotation at batch > 1
 
 template <class T>
 struct Act;
@@ -87,6 +90,7 @@ struct GemvParams {
   int cs, cgc, ncl;    // cluster size, groups a CTA, clusters
   int fr;              // cs > 1: rounds of row tiles a flush of the cluster sums (flush_cluster)
   int nw;              // warps a CTA
+  int rs;              // rotation cluster: CTAs that split the rows' fused rotation (1: none; then cs == 1)
   const uint8_t* signs;  // fused rotation x ← H(s ⊙ x)/√n, H = H_K ⊗ H_{2^m} (n = cols), or nullptr
   const unsigned long long* hk_neg;  // H_K by rows, bit a of row j set ⇔ H_K[j, a] = −1 (K ≤ 64); nullptr when K = 1
   int rot_k, log2p2;
@@ -166,6 +170,9 @@ struct Pair {
   static constexpr bool TWO = !std::is_same<DA, DB>::value;
   static constexpr int RR = NG * WMAX <= 12 ? 3 : 2;  // ring depth (prototype sweep: 3 up to 12 words)
   using L = typename DB::L;
+  // batch > 1 may split the fused rotation over a cluster (share_rotated_rows); not half-TCQ and
+  // the widest words, whose registers would spill with it
+  static constexpr bool SHARE_ROTATION = !TWO && WMAX <= 12;
   static_assert(DA::L::WORDS == DB::L::WORDS && DA::L::C == DB::L::C, "the two halves share one table");
 };
 
@@ -209,36 +216,26 @@ __device__ __forceinline__ void fill_table(uint32_t* lut, const uint32_t* src) {
   }
 }
 
-// The activations of this CTA's padded columns → shared memory (zeros on padding tiles), 8 loads
-// a thread in flight at a time.
+// The activations of this CTA's padded columns → shared memory (zeros on padding tiles): thread t
+// stages 16-byte chunk t of every row (chunks = 16·cgc ≤ the CTA's threads, as nw ≥ cgc / NG), all
+// rows' loads in flight at once; no division by a runtime value (each costs ~20 instructions, and
+// the prologue runs at a low issue rate).
 template <class T>
 __device__ __forceinline__ void stage_x(const GemvParams& p, uint32_t* xs, int rank) {
-  const int chunks = p.cgc * 16;  // 8 elements each
-  const int xsw = p.cgc * 64 + 4;
-  const int total = p.m * chunks;
-  for (int base = threadIdx.x; base < total; base += 8 * blockDim.x) {
-    uint4 v[8];
+  const int ch = threadIdx.x, xsw = p.cgc * 64 + 4;
+  if (ch >= p.cgc * 16) return;
+  const int gg = rank * p.cgc + ch / 16;  // global group
+  const int s = gg >= p.seg[0].cg;
+  const int lt = (gg - (s ? p.seg[0].cg : 0)) * 8 + (ch & 15) / 2;  // tile inside the segment
+  const bool valid = gg < p.seg[0].cg + p.seg[1].cg && lt < (s ? p.seg[1].ct : p.seg[0].ct);
+  const T* src = reinterpret_cast<const T*>(p.x) + (s ? p.seg[1].col0 : 0) + lt * 16 + (ch & 1) * 8;
+  uint4 v[MAX_ROWS];
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const int i = base + k * blockDim.x;
-      const int r = i / chunks, ch = i - r * chunks;
-      const int gg = rank * p.cgc + ch / 16;  // global group
-      const int s = gg >= p.seg[0].cg;
-      const int lt = (gg - (s ? p.seg[0].cg : 0)) * 8 + (ch & 15) / 2;  // tile inside the segment
-      v[k] = make_uint4(0, 0, 0, 0);
-      if (i < total && gg < p.seg[0].cg + p.seg[1].cg && lt < (s ? p.seg[1].ct : p.seg[0].ct))
-        v[k] = __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(p.x) + r * p.ldx +
-                                                    (s ? p.seg[1].col0 : 0) + lt * 16 + (ch & 1) * 8));
-    }
+  for (int r = 0; r < MAX_ROWS; ++r)
+    v[r] = valid && r < p.m ? __ldg(reinterpret_cast<const uint4*>(src + r * p.ldx)) : make_uint4(0, 0, 0, 0);
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const int i = base + k * blockDim.x;
-      if (i < total) {
-        const int r = i / chunks, ch = i - r * chunks;
-        *reinterpret_cast<uint4*>(xs + r * xsw + 4 * ch) = v[k];
-      }
-    }
-  }
+  for (int r = 0; r < MAX_ROWS; ++r)
+    if (r < p.m) *reinterpret_cast<uint4*>(xs + r * xsw + 4 * ch) = v[r];
 }
 
 // Staging with the rotation fused: this CTA's columns of x ← H(s ⊙ x)/√n, H = H_K ⊗ H_{2^m}, in
@@ -251,8 +248,8 @@ __device__ __forceinline__ void stage_x(const GemvParams& p, uint32_t* xs, int r
 // memory; `hneg` (bit a: H_K[segment, a] = −1) was read before the wait for the previous kernel.
 // Needs unpadded K (cols = groups · 128).
 __device__ __forceinline__ uint64_t rotation_factor_row(const GemvParams& p, int rank) {
-  const int ccols = p.cgc * 128, cpt = (1 << p.log2p2) / 8;
-  const int seg = rank * (ccols >> p.log2p2) + threadIdx.x / cpt;
+  const int ccols = p.cgc * 128;
+  const int seg = rank * (ccols >> p.log2p2) + (threadIdx.x >> (p.log2p2 - 3));  // 2^m / 8 threads a segment
   return p.signs && p.rot_k > 1 && threadIdx.x < ccols / 8 ? __ldg(p.hk_neg + seg) : 0ull;
 }
 
@@ -284,14 +281,18 @@ __device__ __forceinline__ void stage_signed_row(const GemvParams& p, int row, T
   }
 }
 
-template <class T>
+// SHARE (kernels that may run in a rotation cluster, p.rs > 1: batch > 1, K = 1, no K split): CTA
+// `rrank` of the cluster transforms rows rrank, rrank + rs, … only, and share_rotated_rows gives
+// every CTA the others'. Without SHARE the loop is the plain one (more registers spill otherwise).
+template <class T, bool SHARE>
 __device__ __forceinline__ void stage_x_rotated(const GemvParams& p, uint32_t* xs, float* z, int rank,
-                                                uint64_t hneg) {
+                                                uint64_t hneg, int rrank) {
   const int ccols = p.cgc * 128, xsw = p.cgc * 64 + 4, cpt = (1 << p.log2p2) / 8;
-  const int jj = threadIdx.x / cpt, t = threadIdx.x - jj * cpt;
+  const int jj = threadIdx.x >> (p.log2p2 - 3), t = threadIdx.x - jj * cpt;  // no runtime division
   const bool active = threadIdx.x < ccols / 8;
   const T* raw = reinterpret_cast<const T*>(z);
-  for (int row = 0; row < p.m; ++row) {
+  int done = 0;  // rows transformed so far: z's half for K = 1 alternates with it
+  for (int row = SHARE ? rrank : 0; row < p.m; row += SHARE ? p.rs : 1) {
     float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     if (p.rot_k == 1) {
       if (active) {
@@ -313,9 +314,37 @@ __device__ __forceinline__ void stage_x_rotated(const GemvParams& p, uint32_t* x
         }
       __syncthreads();  // z is the transform's buffer next
     }
-    fwht_row<T>(v, p.log2p2, p.rot_scale, z + (p.rot_k == 1 ? (row & 1) * ccols : 0) + (jj << p.log2p2),
+    fwht_row<T>(v, p.log2p2, p.rot_scale, z + (p.rot_k == 1 ? ((SHARE ? done++ : row) & 1) * ccols : 0) + (jj << p.log2p2),
                 reinterpret_cast<T*>(xs + row * xsw) + (jj << p.log2p2), t, active);
   }
+}
+
+// Rotation cluster: after one cluster barrier (every CTA's own rows are in its x buffer) each CTA
+// reads the rows it did not transform from their owners' shared memory (distributed shared
+// memory; thread t copies 16-byte chunk t of each row, all loads in flight), then a second barrier:
+// no CTA reuses its x buffer (as the reduction buffer) while a peer may still read it. Batch 8
+// then costs each CTA one row's transform instead of eight.
+__device__ __forceinline__ void share_rotated_rows(const GemvParams& p, uint32_t* xs, int rrank) {
+  const int ch = threadIdx.x, xsw = p.cgc * 64 + 4;
+  const bool mine = ch < p.cgc * 16;  // chunks ≤ threads (stage_x)
+  cluster_sync();
+  uint4 v[MAX_ROWS];
+#pragma unroll
+  for (int r = 0; r < MAX_ROWS; ++r) {
+    const int owner = r & (p.rs - 1);  // rs: a power of two
+    v[r] = make_uint4(0, 0, 0, 0);
+    if (mine && r < p.m && owner != rrank) v[r] = reinterpret_cast<const uint4*>(cluster_peer(xs + r * xsw, owner))[ch];
+  }
+#pragma unroll
+  for (int r = 0; r < MAX_ROWS; ++r)
+    if (mine && r < p.m && (r & (p.rs - 1)) != rrank) reinterpret_cast<uint4*>(xs + r * xsw)[ch] = v[r];
+  cluster_sync();
+}
+
+// First row tile of cluster `cl` of `ncl` over `rt` row tiles: in 32 bits (the launcher checks
+// rt · ncl < 2^32), since a 64-bit division costs every thread ~70 instructions of the prologue.
+__device__ __forceinline__ int split_point(int cl, int rt, int ncl) {
+  return static_cast<int>(static_cast<unsigned>(cl) * static_cast<unsigned>(rt) / static_cast<unsigned>(ncl));
 }
 
 // y's row tile `row` ← the (scaled) 16×8 accumulator tile s of the mma layout
@@ -373,8 +402,7 @@ __device__ __forceinline__ void gemv_body(const GemvParams& p) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int rank = p.cs > 1 ? cluster_rank() : 0;
   const int cl = blockIdx.x / p.cs;
-  const int r0 = static_cast<int>(static_cast<long long>(cl) * p.rt / p.ncl);
-  const int r1 = static_cast<int>(static_cast<long long>(cl + 1) * p.rt / p.ncl);
+  const int r0 = split_point(cl, p.rt, p.ncl), r1 = split_point(cl + 1, p.rt, p.ncl);
   const int nrows = r1 - r0;
   const int gtot = p.seg[0].cg + p.seg[1].cg;
   const int gend = min((rank + 1) * p.cgc, gtot);
@@ -416,8 +444,17 @@ __device__ __forceinline__ void gemv_body(const GemvParams& p) {
   // 2. x may be written by the previous kernel: wait for it (no-op without PDL)
   const uint64_t hneg = rotation_factor_row(p, rank);
   pdl_wait();
-  if (p.signs) stage_x_rotated<T>(p, xs, rot, rank, hneg);
-  else stage_x<T>(p, xs, rank);
+  if (p.signs) {
+    if constexpr (PR::SHARE_ROTATION) {
+      const int rrank = p.rs > 1 ? cluster_rank() : 0;
+      stage_x_rotated<T, true>(p, xs, rot, rank, hneg, rrank);
+      if (p.rs > 1) share_rotated_rows(p, xs, rrank);
+    } else {
+      stage_x_rotated<T, false>(p, xs, rot, rank, hneg, 0);
+    }
+  } else {
+    stage_x<T>(p, xs, rank);
+  }
   if (p.cs > 1) cluster_sync();  // also: every CTA of the cluster has started (DSMEM)
   else __syncthreads();
   uint32_t bx[NG * 8][2];
@@ -510,8 +547,7 @@ __device__ __forceinline__ void gemv_expert_slot(const GemvParams& p) {
   if (j < 0) {
     if (p.cs > 1 && cluster_rank() != 0) return;
     const int cl = blockIdx.x / p.cs;
-    const int r0 = static_cast<int>(static_cast<long long>(cl) * p.rt / p.ncl) * 16;
-    const int r1 = static_cast<int>(static_cast<long long>(cl + 1) * p.rt / p.ncl) * 16;
+    const int r0 = split_point(cl, p.rt, p.ncl) * 16, r1 = split_point(cl + 1, p.rt, p.ncl) * 16;
     T* y = reinterpret_cast<T*>(q.y);
     for (int r = r0 + threadIdx.x; r < r1; r += blockDim.x) y[r] = Act<T>::from_float(0.f);
     return;
@@ -685,6 +721,12 @@ int launch_gemv(const GemvArgs& a) {
     if (cs) break;
   }
   if (cs == 0) return UNSUPPORTED;
+  // batch > 1 with the rotation fused, K = 1 and no K split: a cluster of the next power of two ≥ m
+  // CTAs (≤ 8) splits the rows' transforms (share_rotated_rows)
+  int rs = 1;
+  if (PR::SHARE_ROTATION && rotate && a.rot_k == 1 && cs == 1 && a.m > 1 && !a.members && dev.major >= 9)
+    while (rs < a.m && rs < MAX_ROTATION_CLUSTER) rs *= 2;
+  const int cdim = cs > 1 ? cs : rs;  // the launch's cluster size
   static bool attr_set[64];
   if (!attr_set[dev.index]) {
     if (cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, dev.smem_optin)) return e;
@@ -696,24 +738,27 @@ int launch_gemv(const GemvArgs& a) {
   cfg.blockDim = dim3(nw * 32);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = static_cast<cudaStream_t>(a.stream);
-  if (cs > 1) {
+  if (cdim > 1) {
     attrs[na].id = cudaLaunchAttributeClusterDimension;
-    attrs[na].val.clusterDim.x = cs;
+    attrs[na].val.clusterDim.x = cdim;
     attrs[na].val.clusterDim.y = 1;
     attrs[na].val.clusterDim.z = 1;
     ++na;
   }
   cfg.attrs = attrs;
   cfg.numAttrs = na;
-  cfg.gridDim = dim3(cs);  // the occupancy query wants a whole cluster
+  cfg.gridDim = dim3(cdim);  // the occupancy query wants a whole cluster
   int slots = 0;
-  if (int e = resident(kern, cfg, cs, a.num_sms, dev.index, slots)) return e;
+  if (int e = resident(kern, cfg, cdim, a.num_sms, dev.index, slots)) return e;
   const int per_slot = slots / nslot > 0 ? slots / nslot : 1;  // an expert launch shares the SMs among its slots
   p.ncl = p.rt < per_slot ? p.rt : per_slot;
+  if (rs > 1) p.ncl = std::max(rs, (std::min(p.rt, slots * rs) / rs) * rs);  // whole clusters of CTAs (some may own no rows)
+  if (static_cast<long long>(p.rt) * (p.ncl + 1) >= (1ll << 32)) return UNSUPPORTED;  // split_point's 32 bits
   p.cs = cs;
   p.fr = fr;
   p.cgc = cgc;
   p.nw = nw;
+  p.rs = rs;
   p.x = static_cast<const char*>(a.x);
   p.ldx = a.ldx;
   p.y = static_cast<char*>(a.y);
