@@ -1,0 +1,30 @@
+"""scripts/bench_kernels.py without a GPU: shape arguments and the regression gates."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import load_script
+
+
+def test_llama_shapes_keep_their_label_however_named():
+    script = load_script("bench_kernels")
+    shapes = script.parse_shapes("14336x4096, 96X128")
+    assert shapes == {"gate/up 14336x4096": (14336, 4096), "96x128": (96, 128)}
+    assert script.parse_shapes("all") == script.SHAPES
+
+
+@pytest.mark.parametrize("spec", ["4096*4096", "4096x", "x"])
+def test_a_bad_shape_says_what_is_expected(spec):
+    with pytest.raises(SystemExit, match="expected OUTxIN"):
+        load_script("bench_kernels").parse_shapes(spec)
+
+
+def test_targets_gate_rows_of_a_run_that_named_shapes_by_size():
+    """A run of `--shapes 4096x4096` (label "4096x4096", as results/kernels_h100/v6 was) is held to
+    q/o 4096x4096's targets."""
+    script = load_script("bench_kernels")
+    rows = [{"shape": "4096x4096", "rows": 4096, "cols": 4096, "entry": "tcq-2.0", "batch": m, "us": us}
+            for m, us in ((1, 5.75), (8, 6.32))]
+    by_what = {g["what"]: g for g in script.gates(rows, [1, 8])}
+    assert by_what["4096x4096 tcq-2.0 b1 µs"]["limit"] == 4.5 and not by_what["4096x4096 tcq-2.0 b1 µs"]["met"]
+    assert by_what["4096x4096 tcq-2.0 b8/b1"]["met"]
