@@ -525,7 +525,7 @@ __device__ __forceinline__ void gemv_body(const GemvParams& p) {
     if (p.cs == 1) {
       if (doit) store_y<T>(p, row, s, lane);
     } else {
-      if (doit) cluster_rank0(cpart)[((rl % (p.fr * RR)) * p.cs + rank) * 32 + lane] = s;
+      if (doit) cluster_peer(cpart, 0)[((rl % (p.fr * RR)) * p.cs + rank) * 32 + lane] = s;
       if ((rd + 1) % p.fr == 0 || rd + 1 == nrounds) flush_cluster<T>(p, cpart, r0, rd / p.fr * p.fr * RR,
                                                                         min(nrows, (rd + 1) * RR), rank, rd + 1 < nrounds);
     }

@@ -13,7 +13,6 @@ __device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepc
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 __device__ __forceinline__ int cluster_rank() { return static_cast<int>(cooperative_groups::this_cluster().block_rank()); }
 __device__ __forceinline__ void cluster_sync() { cooperative_groups::this_cluster().sync(); }
-__device__ __forceinline__ float4* cluster_rank0(float4* p) { return cooperative_groups::this_cluster().map_shared_rank(p, 0); }
 template <class T>
 __device__ __forceinline__ T* cluster_peer(T* p, int rank) { return cooperative_groups::this_cluster().map_shared_rank(p, rank); }
 #else
@@ -21,7 +20,6 @@ __device__ __forceinline__ void pdl_launch_dependents() {}
 __device__ __forceinline__ void pdl_wait() {}
 __device__ __forceinline__ int cluster_rank() { return 0; }
 __device__ __forceinline__ void cluster_sync() { __trap(); }
-__device__ __forceinline__ float4* cluster_rank0(float4* p) { return p; }
 template <class T>
 __device__ __forceinline__ T* cluster_peer(T* p, int) { __trap(); return p; }
 #endif
