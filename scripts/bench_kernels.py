@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from qpalette.errors import QpaletteError  # noqa: E402
 from qpalette.measure import timing as kt
 from qpalette.quant.palette import PALETTE  # noqa: E402
 from qpalette.runtime import ops  # noqa: E402
@@ -169,14 +170,10 @@ def parse_shapes(spec: str) -> dict[str, tuple[int, int]]:
     keeps its label, so its µs targets are gated whichever way it was named."""
     if spec == "all":
         return dict(SHAPES)
-    out = {}
-    for s in spec.split(","):
-        try:
-            r, c = (int(v) for v in s.strip().lower().split("x"))
-        except ValueError:
-            raise SystemExit(f"bench_kernels: bad shape {s.strip()!r}: expected OUTxIN, e.g. 4096x14336") from None
-        out[LABELS.get((r, c), f"{r}x{c}")] = (r, c)
-    return out
+    try:
+        return {LABELS.get((r, c), f"{r}x{c}"): (r, c) for r, c in kt.parse_shapes(spec)}
+    except QpaletteError as e:
+        raise SystemExit(f"bench_kernels: {e}") from None
 
 
 def rotation_layers(entry: str, shapes: dict, batches, dtype) -> dict:

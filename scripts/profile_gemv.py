@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from qpalette.errors import InputError, QpaletteError  # noqa: E402
+from qpalette.measure import timing  # noqa: E402
 from qpalette.quant.incoherence import pack_signs, random_signs  # noqa: E402
 from qpalette.quant.palette import get_quantizer  # noqa: E402
 from qpalette.runtime import lanes, ops  # noqa: E402
@@ -31,15 +32,11 @@ NVTX_RANGE = "qpalette"
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
-    """'4096x14336,14336x4096' → [(4096, 14336), (14336, 4096)] (rows = out features, cols = in)."""
-    shapes = []
-    for item in filter(None, text.split(",")):
-        rows, sep, cols = item.lower().partition("x")
-        if not sep or not rows.isdigit() or not cols.isdigit() or int(rows) % 16 or int(cols) % 16:
-            raise InputError(f"--shapes {item!r}: write OUTxIN with both multiples of 16, e.g. 4096x14336")
-        shapes.append((int(rows), int(cols)))
-    if not shapes:
-        raise InputError("--shapes: give at least one OUTxIN")
+    """--shapes (timing.parse_shapes), each side a multiple of 16 as the GEMV's tiles need."""
+    shapes = timing.parse_shapes(text)
+    for rows, cols in shapes:
+        if rows % 16 or cols % 16:
+            raise InputError(f"--shapes {rows}x{cols}: write OUTxIN with both multiples of 16, e.g. 4096x14336")
     return shapes
 
 

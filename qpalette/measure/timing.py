@@ -13,11 +13,26 @@ import statistics
 
 import torch
 
+from qpalette.errors import InputError
 from qpalette.quant.palette import get_quantizer
 from qpalette.runtime import lanes, ops
 
 L2_FLUSH_BYTES = 256 << 20  # bytes of distinct weights a graph cycles through (H100 L2: 50 MB)
 MAX_COPIES = 256
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """The kernel scripts' --shapes: '4096x14336, 14336x4096' → [(4096, 14336), (14336, 4096)]
+    (rows = out features, cols = in); InputError for anything else."""
+    shapes = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        rows, sep, cols = item.lower().partition("x")
+        if not sep or not rows.isdigit() or not cols.isdigit():
+            raise InputError(f"--shapes {item!r}: expected OUTxIN, e.g. 4096x14336")
+        shapes.append((int(rows), int(cols)))
+    if not shapes:
+        raise InputError("--shapes: give at least one OUTxIN")
+    return shapes
 
 
 def stored_bytes(tensors: dict[str, torch.Tensor]) -> int:
