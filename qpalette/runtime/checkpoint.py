@@ -40,7 +40,9 @@ from qpalette.runtime.modules import (
     InputRotation,
     QuantizedLinear,
     install_cache_reset,
+    install_gated_mlp,
     remove_cache_reset,
+    remove_gated_mlp,
 )
 from qpalette.version import __version__
 
@@ -178,6 +180,7 @@ def convert_model(model: nn.Module, layout: Layout, dtype: torch.dtype | None = 
             parents.add(parent)
     for parent in parents:
         install_cache_reset(_get(model, parent))
+        install_gated_mlp(_get(model, parent))
     grouped_experts.install(model)
     model.register_module(CODEBOOKS_MODULE, Codebooks(layout.codebooks))
     return model
@@ -221,5 +224,6 @@ def dequantize_model(model: nn.Module, layout: Layout, dtype: torch.dtype) -> nn
         delattr(_get(model, parent), attr)
     for m in model.modules():
         remove_cache_reset(m)
+        remove_gated_mlp(m)
     delattr(model, CODEBOOKS_MODULE)
     return model

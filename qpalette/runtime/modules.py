@@ -21,6 +21,7 @@ layout. fp16 buffers (row scales, codebooks) keep their dtype through `model.to(
 from __future__ import annotations
 
 import os
+import types
 
 import torch
 import torch.nn.functional as F
@@ -173,6 +174,26 @@ class QuantizedLinear(_CallCache, _KeepsFp16):
             y = y + self.bias.to(y.dtype)
         return y
 
+    def takes_gated(self, x: torch.Tensor) -> bool:
+        """Whether `gated_forward` suits activations like x: the kernels' path with the rotation in
+        the GEMV (where the GEMV can also form the gated product), and no gradient wanted."""
+        rows = x.numel() // x.shape[-1]
+        return (ops.uses_kernels(x) and ops.fuses_rotation(self.in_features, rows)
+                and not (torch.is_grad_enabled() and x.requires_grad))
+
+    def gated_forward(self, gu: torch.Tensor) -> torch.Tensor:
+        """forward(silu(gate) ⊙ up) for gu = [gate | up] (..., 2·in), the GEMV forming the product
+        while it stages its input (`ops.gated_rotated_matmul`); callers check `takes_gated` first."""
+        if not self.lane_major:
+            self.to_lane_major()
+        ops.prepare(gu, self.quantizer.name)
+        ops.prepare(gu[..., : self.in_features])  # the rotation's H_K factor
+        y = ops.gated_rotated_matmul(gu, self.rotation.signs, self.quantizer.name, self.stored_tensors(),
+                                     (self.out_features, self.in_features))
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y
+
     def _apply(self, fn, recurse=True):
         forget_decoded(self)  # moved or cast: decode again where it is used next
         return super()._apply(fn, recurse)
@@ -274,6 +295,50 @@ class FusedSlice(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.shared_forward(x)[..., self.start : self.stop]
+
+
+# ---- gated MLPs: down reads the gate/up group's output as it is -----------------------------------
+SILU_CLASSES = ("SiLU", "SiLUActivation")  # torch's and transformers' (ACT2FN["silu"]) SiLU modules
+
+
+def gated_parts(mlp: nn.Module) -> tuple[QuantizedLinear, QuantizedLinear] | None:
+    """(gate/up group, down) of an MLP computing down(silu(gate(x)) ⊙ up(x)) whose gate and up
+    are the two halves of one fused group, gate first, and whose down is quantized; else None."""
+    gate, up, down = (getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj"))
+    if not (isinstance(gate, FusedSlice) and isinstance(up, FusedSlice) and isinstance(down, QuantizedLinear)):
+        return None
+    group = gate.group
+    if up.group is not group or gate.start != 0 or gate.stop != up.start or up.stop != group.out_features:
+        return None
+    if type(getattr(mlp, "act_fn", None)).__name__ not in SILU_CLASSES:
+        return None
+    return group, down
+
+
+def _gated_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    parts = gated_parts(self)
+    if parts is not None and parts[1].takes_gated(x):
+        group, down = parts
+        return down.gated_forward(group.shared_forward(x))
+    return type(self).forward(self, x)
+
+
+def install_gated_mlp(mlp: nn.Module) -> bool:
+    """Give a gated MLP (`gated_parts`) a forward in which down's GEMV forms silu(gate) ⊙ up from
+    the group's output itself: no elementwise kernel between the two GEMVs, and down's prologue
+    overlaps the group's GEMV (programmatic dependent launch). Calls off the kernels' path (CPU,
+    batch > the fused rotation's rows, gradients) run the MLP's own forward. A bound method, not
+    a closure: a deep copy of the model calls its own modules."""
+    if gated_parts(mlp) is None:
+        return False
+    mlp.forward = types.MethodType(_gated_mlp_forward, mlp)
+    return True
+
+
+def remove_gated_mlp(mlp: nn.Module) -> None:
+    forward = mlp.__dict__.get("forward")
+    if isinstance(forward, types.MethodType) and forward.__func__ is _gated_mlp_forward:
+        del mlp.__dict__["forward"]
 
 
 class Codebooks(_KeepsFp16):

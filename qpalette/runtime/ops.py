@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from qpalette.errors import UnsupportedShape
 from qpalette.quant.codebooks import codebook
@@ -48,6 +49,12 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
 def rotate_reference(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     return rotate_input(x.float(), unpack_signs(signs)).to(x.dtype)
+
+
+def silu_mul_reference(gu: torch.Tensor) -> torch.Tensor:
+    """silu(gate) ⊙ up for gu = [gate | up] over the last dimension, in float32, rounded once."""
+    g, u = gu.float().chunk(2, dim=-1)
+    return (F.silu(g) * u).to(gu.dtype)
 
 
 def dequantize(quantizer: str, tensors: dict[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
@@ -136,6 +143,16 @@ def rotated_matmul(x: torch.Tensor, signs: torch.Tensor, quantizer: str, tensors
     codes, codes_b = code_tensors(quantizer, tensors)
     return torch.ops.qpalette.rotated_matmul(x, signs, codes, codes_b, tensors["row_scale"],
                                              get_quantizer(quantizer).name, shape[0])
+
+
+def gated_rotated_matmul(gu: torch.Tensor, signs: torch.Tensor, quantizer: str, tensors: dict[str, torch.Tensor],
+                         shape: tuple[int, int]) -> torch.Tensor:
+    """rotated_matmul(silu(gate) ⊙ up, ...) for gu = [gate | up] (..., 2·in): a gated MLP's down
+    projection reading the gate/up GEMV's output as it is (one kernel on CUDA for batch ≤ 8, no
+    elementwise kernel between the two GEMVs). Inference only: no gradient."""
+    codes, codes_b = code_tensors(quantizer, tensors)
+    return torch.ops.qpalette.gated_rotated_matmul(gu, signs, codes, codes_b, tensors["row_scale"],
+                                                   get_quantizer(quantizer).name, shape[0])
 
 
 def quantized_matmul(
@@ -371,19 +388,20 @@ def _(x, codes, codes_b, row_scale, quantizer, out_features):
     return _qmm_cuda(x, codes, codes_b, row_scale, quantizer, out_features)
 
 
-def _qmm_cuda(x, codes, codes_b, row_scale, quantizer, out_features, signs=None):
-    """Both matmul ops on the kernels: all leading dimensions of x as activation rows."""
+def _qmm_cuda(x, codes, codes_b, row_scale, quantizer, out_features, signs=None, gated=False):
+    """The matmul ops on the kernels: all leading dimensions of x as activation rows."""
     lead, n_in = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, n_in).contiguous()
     if x2.shape[0] == 0:
         return x.new_empty((*lead, out_features))
     y = _qmm_kernels(x2, codes.contiguous(), codes_b.contiguous() if codes_b is not None else None,
-                     row_scale, quantizer, out_features, signs.contiguous() if signs is not None else None)
+                     row_scale, quantizer, out_features, signs.contiguous() if signs is not None else None, gated)
     return y.reshape(*lead, out_features)
 
 
-def _qmm_kernels(x2, codes, codes_b, row_scale, quantizer, out_features, signs=None):
-    """y = x2 · W_rᵀ on the kernels; with `signs`, x2 is rotated first (in the GEMV when it can)."""
+def _qmm_kernels(x2, codes, codes_b, row_scale, quantizer, out_features, signs=None, gated=False):
+    """y = x2 · W_rᵀ on the kernels; with `signs`, x2 is rotated first (in the GEMV when it can);
+    `gated`: x2 = [gate | up] and the input is silu(gate) ⊙ up (formed in the GEMV when it can)."""
     dev = x2.device
     spec = kernel_spec(quantizer)
     table = lut(quantizer, x2.dtype, dev)
@@ -391,14 +409,16 @@ def _qmm_kernels(x2, codes, codes_b, row_scale, quantizer, out_features, signs=N
     family = ext.FAMILY_CODES[spec.family]
     k, hk = 1, None
     if signs is not None:
-        k = decompose(x2.shape[1])[0]
+        k = decompose(x2.shape[1] // 2 if gated else x2.shape[1])[0]
         hk = _hadamard_row_masks(k, dev) if k > 1 and k <= FUSED_ROTATION_MAX_K else None
     with torch.cuda.device(dev):
         if x2.shape[0] <= FUSED_MAX_ROWS:
             y = ext.gemv(x2, codes, codes_b, row_scale, table, family, spec.p0, spec.p1, out_features,
-                         _stream(dev), _num_sms(dev), _pdl(), signs, hk, k)
+                         _stream(dev), _num_sms(dev), _pdl(), signs, hk, k, gated)
             if y is not None:
                 return y
+        if gated:
+            return _qmm_kernels(silu_mul_reference(x2), codes, codes_b, row_scale, quantizer, out_features, signs)
         if signs is not None:
             x2 = _rotate_cuda(x2, signs)
             return _qmm_kernels(x2, codes, codes_b, row_scale, quantizer, out_features)
@@ -435,6 +455,33 @@ def _(x, signs, codes, codes_b, row_scale, quantizer, out_features):
 @_rotated_qmm_op.register_fake
 def _(x, signs, codes, codes_b, row_scale, quantizer, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
+
+
+@torch.library.custom_op("qpalette::gated_rotated_matmul", mutates_args=())
+def _gated_qmm_op(
+    gu: torch.Tensor,
+    signs: torch.Tensor,
+    codes: torch.Tensor,
+    codes_b: Optional[torch.Tensor],
+    row_scale: torch.Tensor,
+    quantizer: str,
+    out_features: int,
+) -> torch.Tensor:
+    x = rotate_reference(silu_mul_reference(gu), signs)
+    return _qmm_reference(x, codes, codes_b, row_scale, quantizer, out_features)
+
+
+@_gated_qmm_op.register_kernel("cuda")
+def _(gu, signs, codes, codes_b, row_scale, quantizer, out_features):
+    if not (_kernel_dtype(gu) and _kernels_ok()):
+        x = rotate_reference(silu_mul_reference(gu), signs)
+        return _qmm_reference(x, codes, codes_b, row_scale, quantizer, out_features)
+    return _qmm_cuda(gu, codes, codes_b, row_scale, quantizer, out_features, signs, gated=True)
+
+
+@_gated_qmm_op.register_fake
+def _(gu, signs, codes, codes_b, row_scale, quantizer, out_features):
+    return gu.new_empty((*gu.shape[:-1], out_features))
 
 
 # MoE experts (runtime/experts.py): the kernel reads each slot's member and that member's tensors

@@ -1,4 +1,5 @@
 import json
+import zlib
 
 import pytest
 import torch
@@ -53,9 +54,11 @@ def test_tiles_round_trip():
 def test_round_trip_is_stable(name, device):
     """quantize → dequantize → quantize (same scales) reproduces the reconstruction, and the
     codes themselves for NUQ/VQ. TCQ states alias (65536 states share 2^(Q+1) values), so a
-    different but equal-valued path may be chosen; its reconstruction must still match."""
+    different but equal-valued path may be chosen; its reconstruction must still match. On a GPU
+    the codes match the CPU path's at the same row scales except at near-ties (float rounding of
+    the distances differs between devices), where both choices are equally near."""
     q = get_quantizer(name)
-    g = torch.Generator().manual_seed(hash(name) % 2**31)
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
     w = (torch.randn(32, 64, generator=g) * 0.02).to(device)
     qm = q.quantize(w)
     w_hat = q.dequantize(qm)
@@ -64,9 +67,13 @@ def test_round_trip_is_stable(name, device):
     if q.family in ("nuq", "vq"):
         for k in qm.tensors:
             assert torch.equal(again.tensors[k], qm.tensors[k])
-        if device.type != "cpu":  # same codes as the CPU path
-            on_cpu = q.quantize(w.cpu())
-            assert all(torch.equal(on_cpu.tensors[k], qm.tensors[k].cpu()) for k in qm.tensors)
+        if device.type != "cpu":  # the CPU path's codes, but for ties
+            on_cpu = q.quantize(w.cpu(), row_scale=qm.row_scale.cpu())
+            for k in qm.tensors:
+                assert (on_cpu.tensors[k] == qm.tensors[k].cpu()).float().mean() >= 0.99
+            err_cpu = (q.dequantize(on_cpu) - w.cpu()).pow(2).sum(1)
+            err_gpu = (w_hat.cpu() - w.cpu()).pow(2).sum(1)
+            torch.testing.assert_close(err_gpu, err_cpu, rtol=1e-4, atol=1e-12)
     # stored layout: int32 codes of 8·bits words per 16×16 tile, fp16 row scales
     assert qm.tensors["row_scale"].dtype == torch.float16
     for k, t in qm.tensors.items():

@@ -55,17 +55,17 @@ def poison(shape, dtype):
     torch.full(shape, float("nan"), dtype=dtype, device="cuda")
 
 
-def run_fused(ext, name, x2, tensors, rows, pdl=True, signs=None, num_sms=None):
+def run_fused(ext, name, x2, tensors, rows, pdl=True, signs=None, num_sms=None, gated=False):
     """The fused GEMV straight through the extension (None: it does not take this shape); `num_sms`
-    fewer than the GPU's: fewer CTAs, each owning more row tiles."""
+    fewer than the GPU's: fewer CTAs, each owning more row tiles; `gated`: x2 = [gate | up]."""
     spec = ops.kernel_spec(name)
     a, b = ops.code_tensors(name, tensors)
     poison((x2.shape[0], rows), x2.dtype)
-    k = decompose(x2.shape[1])[0] if signs is not None else 1
+    k = decompose(x2.shape[1] // (2 if gated else 1))[0] if signs is not None else 1
     hk = ops._hadamard_row_masks(k, x2.device) if k > 1 else None
     return ext.gemv(x2, a, b, tensors["row_scale"], ops.lut(name, x2.dtype, x2.device), ext.FAMILY_CODES[spec.family],
                     spec.p0, spec.p1, rows, torch.cuda.current_stream().cuda_stream,
-                    num_sms or torch.cuda.get_device_properties(0).multi_processor_count, pdl, signs, hk, k)
+                    num_sms or torch.cuda.get_device_properties(0).multi_processor_count, pdl, signs, hk, k, gated)
 
 
 def run_dequant(ext, name, tensors, shape, dtype):
@@ -168,6 +168,34 @@ def test_rotation_fused_into_the_gemv(ext, name, dtype):
             if m <= ops.FUSED_MAX_ROWS:
                 fused = run_fused(ext, name, x, tensors, rows, signs=signs)
                 assert (fused is not None) == ops.gemv_rotates_entry(name, cols), (rows, cols)  # whole groups
+
+
+# entries whose GEMV forms the gated input itself (not half-TCQ, words ≤ 12: Pair::GATED_INPUT); the
+# others fall back to the elementwise product + the fused rotation
+@pytest.mark.parametrize("name, fuses", [("tcq-2.0", True), ("tcq-4.0", True), ("nuq-4", True), ("vq-2.0", True),
+                                         ("half-tcq-3.25", False), ("nuq-8", False)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_input_formed_in_the_gemv(ext, name, fuses, dtype):
+    """gated_rotated_matmul (silu(gate) ⊙ up, then H(s ⊙ ·), in the GEMV's prologue) against the
+    product rounded to the dtype, rotated and multiplied in float32: K = 1 sizes and K·2^m ones
+    (14336 = 28·512 over a cluster of 4, 1536 = 12·128), batches 1–9 (9: the dequantize path)."""
+    gen = torch.Generator().manual_seed(12)
+    for rows, cols in [(1024, 4096), (256, 128), (64, 14336), (32, 1536)]:
+        stored, tensors = random_tensors(name, rows, cols, gen)
+        signs = pack_signs(random_signs(cols, seed=cols)).cuda()
+        w = ops.dequantize(name, stored, (rows, cols))
+        for m in BATCHES:
+            gu = torch.randn(m, 2 * cols, generator=gen).to(dtype).cuda()
+            h = ops.silu_mul_reference(gu.float()).to(dtype)
+            ref = ops.rotate_reference(h.float(), signs).to(dtype).float() @ w.T
+            poison((m, rows), dtype)
+            y = ops.gated_rotated_matmul(gu, signs, name, tensors, (rows, cols))
+            assert rel_err(y, ref) <= TOL, (rows, cols, m)
+            if m <= ops.FUSED_MAX_ROWS:
+                fused = run_fused(ext, name, gu, tensors, rows, signs=signs, gated=True)
+                assert (fused is not None) == fuses, (rows, cols)
+                if fused is not None:
+                    assert rel_err(fused, ref) <= TOL, (rows, cols, m)
 
 
 def test_every_entry_has_a_kernel(ext):

@@ -116,3 +116,55 @@ def test_cpu_decoded_weights_equal_the_ops_path_and_follow_new_codes(monkeypatch
     torch.testing.assert_close(layer(x), other(x), rtol=1e-4, atol=1e-5)
     layer.to(torch.float64)
     assert "_decoded" not in layer.__dict__
+
+
+def gated_mlp(act: str = "silu", fused: bool = True):
+    """A Llama MLP (64 → 128 → 64) quantized as a checkpoint holds it: gate/up one group (or two
+    layers) sharing a rotation, down with its own."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    torch.manual_seed(4)
+    mlp = LlamaMLP(LlamaConfig(hidden_size=64, intermediate_size=128, hidden_act=act))
+    rot_gu, rot_down = InputRotation.from_signs(random_signs(64, 1)), InputRotation.from_signs(random_signs(128, 2))
+    if fused:
+        both = nn.Linear(64, 256, bias=False)
+        with torch.no_grad():
+            both.weight.copy_(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+        group = quantized(both, "tcq-2.0", rot_gu)
+        mlp.gate_up_proj = group
+        mlp.gate_proj, mlp.up_proj = FusedSlice(group, 0, 128), FusedSlice(group, 128, 256)
+    else:
+        mlp.gate_proj, mlp.up_proj = (quantized(lin, "tcq-2.0", rot_gu) for lin in (mlp.gate_proj, mlp.up_proj))
+    mlp.down_proj = quantized(mlp.down_proj, "nuq-4", rot_down)
+    mlp.rotate_gate_up, mlp.rotate_down = rot_gu, rot_down
+    install_cache_reset(mlp)
+    return mlp
+
+
+def test_gated_mlp_hands_the_group_output_to_down(monkeypatch):
+    """On the kernels' path (forced here: the ops' CPU reference runs) the MLP calls one gated op
+    on the group's output; it computes what the MLP's own forward computes."""
+    mlp = gated_mlp()
+    assert qlinear.install_gated_mlp(mlp)
+    monkeypatch.setitem(qlinear._decoded_bytes, "budget", 0)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        own = type(mlp).forward(mlp, x)
+        assert torch.equal(mlp(x), own)  # CPU: takes_gated is False, the MLP's own forward runs
+        calls = []
+        real = qlinear.ops.gated_rotated_matmul
+        monkeypatch.setattr(QuantizedLinear, "takes_gated", lambda self, x: True)
+        monkeypatch.setattr(qlinear.ops, "gated_rotated_matmul", lambda *a: calls.append(a[0].shape) or real(*a))
+        got = mlp(x)
+    assert calls == [(3, 256)]
+    torch.testing.assert_close(got, own, rtol=1e-4, atol=1e-5)
+    copy = __import__("copy").deepcopy(mlp)
+    assert copy.forward.__self__ is copy
+    qlinear.remove_gated_mlp(mlp)
+    assert "forward" not in mlp.__dict__
+
+
+@pytest.mark.parametrize("act, fused", [("gelu", True), ("silu", False)])
+def test_only_silu_mlps_with_gate_up_fused_are_gated(act, fused):
+    assert not qlinear.install_gated_mlp(gated_mlp(act, fused))

@@ -46,6 +46,21 @@ def test_rotated_matmul_is_rotate_then_matmul(name):
                           (x, signs, codes, codes_b, tensors["row_scale"], get_quantizer(name).name, rows))
 
 
+@pytest.mark.parametrize("name", ["tcq-2.0", "nuq-4"])
+def test_gated_rotated_matmul_is_silu_gate_times_up_then_rotated_matmul(name):
+    rows, cols = 32, 256
+    tensors = lanes.pack(name, get_quantizer(name).random_tensors(rows, cols, torch.Generator().manual_seed(5)))
+    signs = pack_signs(random_signs(cols, seed=2))
+    gu = torch.randn(2, 3, 2 * cols, generator=torch.Generator().manual_seed(7))
+    gate, up = gu[..., :cols], gu[..., cols:]
+    y = ops.gated_rotated_matmul(gu, signs, name, tensors, (rows, cols))
+    expect = ops.rotated_matmul(gate * torch.sigmoid(gate) * up, signs, name, tensors, (rows, cols))
+    torch.testing.assert_close(y, expect, rtol=1e-5, atol=1e-5)
+    codes, codes_b = ops.code_tensors(name, tensors)
+    torch.library.opcheck(torch.ops.qpalette.gated_rotated_matmul,
+                          (gu, signs, codes, codes_b, tensors["row_scale"], get_quantizer(name).name, rows))
+
+
 def test_fused_rotation_sizes_and_modes(monkeypatch):
     monkeypatch.delenv("QPALETTE_FUSED_ROTATION", raising=False)
     assert ops.fuses_rotation(4096, 1) and not ops.fuses_rotation(4096, 2)  # auto: batch 1 only

@@ -57,8 +57,8 @@ at::Tensor launch_gemv(const at::Tensor& x, const at::Tensor& codes_a, const c10
                        const at::Tensor& row_scale, const at::Tensor& lut, int64_t family, int64_t p0, int64_t p1,
                        int64_t rows, int64_t stream, int64_t num_sms, bool pdl,
                        const c10::optional<at::Tensor>& signs, const c10::optional<at::Tensor>& hk_neg,
-                       int64_t rot_k, at::Tensor y, const at::Tensor* experts, const at::Tensor* members,
-                       const at::Tensor* x_rows) {
+                       int64_t rot_k, bool gated, at::Tensor y, const at::Tensor* experts,
+                       const at::Tensor* members, const at::Tensor* x_rows) {
   check_cuda(row_scale, "row_scale");
   check_cuda(lut, "lut");
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 8, "x must be (m ≤ 8, in)");
@@ -70,12 +70,15 @@ at::Tensor launch_gemv(const at::Tensor& x, const at::Tensor& codes_a, const c10
     a.x_rows = x_rows->data_ptr();
     a.slots = static_cast<int>(members->size(0));
   }
-  a.codes = codes_of(codes_a, codes_b, family, rows, x.size(1));
+  TORCH_CHECK(!gated || (signs.has_value() && x.size(1) % 2 == 0), "gated input: [gate | up] rows and signs");
+  const int64_t cols = gated ? x.size(1) / 2 : x.size(1);
+  a.gated = gated ? 1 : 0;
+  a.codes = codes_of(codes_a, codes_b, family, rows, cols);
   a.x = x.data_ptr();
   a.ldx = x.stride(0);
   if (signs.has_value()) {
     check_cuda(*signs, "signs");
-    TORCH_CHECK(signs->scalar_type() == at::kByte && signs->numel() * 8 == x.size(1), "signs must be uint8 (in/8,)");
+    TORCH_CHECK(signs->scalar_type() == at::kByte && signs->numel() * 8 == cols, "signs must be uint8 (in/8,)");
     a.signs = signs->data_ptr<uint8_t>();
     TORCH_CHECK(rot_k >= 1 && (rot_k == 1 || (hk_neg.has_value() && hk_neg->scalar_type() == at::kLong &&
                                               hk_neg->numel() == rot_k)), "H_K row masks missing");
@@ -89,7 +92,7 @@ at::Tensor launch_gemv(const at::Tensor& x, const at::Tensor& codes_a, const c10
   a.lut = lut.data_ptr();
   a.m = static_cast<int>(x.size(0));
   a.rows = static_cast<int>(rows);
-  a.cols = static_cast<int>(x.size(1));
+  a.cols = static_cast<int>(cols);
   a.dtype = dtype_code(x);
   a.num_sms = static_cast<int>(num_sms);
   a.pdl = pdl ? 1 : 0;
@@ -103,14 +106,16 @@ at::Tensor launch_gemv(const at::Tensor& x, const at::Tensor& codes_a, const c10
 // y (m, rows) = x (m, cols) · W_rᵀ, m ≤ 8 (with `signs`: x rotated first, H(s ⊙ x), H = H_K ⊗
 // H_{cols/K}, `hk_neg` = H_K's rows as 64-bit masks of its −1 entries, rot_k = K); returns an
 // undefined tensor when the GEMV cannot take this shape (the caller then rotates / dequantizes).
+// `gated`: x is (m, 2·in) = [gate | up] and the matmul's input is silu(gate) ⊙ up (signs required).
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& codes_a, const c10::optional<at::Tensor>& codes_b,
                 const at::Tensor& row_scale, const at::Tensor& lut, int64_t family, int64_t p0, int64_t p1,
                 int64_t rows, int64_t stream, int64_t num_sms, bool pdl,
-                const c10::optional<at::Tensor>& signs, const c10::optional<at::Tensor>& hk_neg, int64_t rot_k) {
+                const c10::optional<at::Tensor>& signs, const c10::optional<at::Tensor>& hk_neg, int64_t rot_k,
+                bool gated) {
   check_cuda(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.stride(0) == x.size(1), "x must be contiguous (m, in)");
   return launch_gemv(x, codes_a, codes_b, row_scale, lut, family, p0, p1, rows, stream, num_sms, pdl, signs,
-                     hk_neg, rot_k, at::empty({x.size(0), rows}, x.options()), nullptr, nullptr, nullptr);
+                     hk_neg, rot_k, gated, at::empty({x.size(0), rows}, x.options()), nullptr, nullptr, nullptr);
 }
 
 // MoE experts in one launch: y (slots, rows), row v = x[x_rows[v]] · W_{members[v]}ᵀ (zeros where
@@ -134,7 +139,7 @@ at::Tensor gemv_experts(const at::Tensor& x, const at::Tensor& x_rows, const at:
   auto y = at::empty({slots, rows}, x.options());
   if (slots == 0) return y;
   auto one = launch_gemv(x.narrow(0, 0, 1), codes_a, codes_b, row_scale, lut, family, p0, p1, rows, stream,
-                         num_sms, pdl, signs, hk_neg, rot_k, y, &experts, &members, &x_rows);
+                         num_sms, pdl, signs, hk_neg, rot_k, false, y, &experts, &members, &x_rows);
   return one.defined() ? y : one;
 }
 

@@ -89,6 +89,21 @@ __device__ __forceinline__ void fwht_row(float (&v)[8], int log2n, float scale, 
     for (int k = 0; k < 8; ++k) out[phase2_index(t, k, r)] = Cvt<T>::from_float(v[k] * scale);
 }
 
+// silu(g) ⊙ u of two 16-byte chunks in fp32, rounded to T once (a gated MLP's down-projection input)
+template <class T>
+__device__ __forceinline__ uint4 silu_mul(const uint4& g, const uint4& u) {
+  const T* ge = reinterpret_cast<const T*>(&g);
+  const T* ue = reinterpret_cast<const T*>(&u);
+  uint4 out;
+  T* o = reinterpret_cast<T*>(&out);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const float a = Cvt<T>::to_float(ge[k]);
+    o[k] = Cvt<T>::from_float(a / (1.f + __expf(-a)) * Cvt<T>::to_float(ue[k]));
+  }
+  return out;
+}
+
 // the 8 elements of a 16-byte chunk, sign byte `sb` applied (bit 7 − k set ⇔ element k negated)
 template <class T>
 __device__ __forceinline__ void signed_chunk(const uint4& raw, uint32_t sb, float (&v)[8]) {

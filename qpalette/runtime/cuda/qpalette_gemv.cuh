@@ -19,7 +19,9 @@
 // kernel; x is read and y written only after it (the reducers fetch each round's row scales at
 // the round's start). With `signs` the staging also rotates x (stage_x_rotated), each CTA its own
 // columns; at batch > 1 with K = 1 a cluster of CTAs splits the rows' transforms and shares them
-// through distributed shared memory (share_rotated_rows).
+// through distributed shared memory (share_rotated_rows). `gated` (with signs): x rows hold a gated
+// MLP's [gate | up] and the staging forms silu(gate) ⊙ up before rotating it, so the down
+// projection follows the gate/up GEMV without an elementwise kernel between them.
 // half-TCQ: segment 0 (codes_a, the first half of the columns) and segment 1 (codes_b) are
 // consecutive ranges of groups; a warp decodes each group with its segment's decoder.
 #pragma once
@@ -94,6 +96,7 @@ struct GemvParams {
   const uint8_t* signs;  // fused rotation x ← H(s ⊙ x)/√n, H = H_K ⊗ H_{2^m} (n = cols), or nullptr
   const unsigned long long* hk_neg;  // H_K by rows, bit a of row j set ⇔ H_K[j, a] = −1 (K ≤ 64); nullptr when K = 1
   int rot_k, log2p2;
+  int gated;           // with signs: x rows are [gate | up] (2n values) and the input is silu(gate) ⊙ up
   float rot_scale;     // 1/√n
   // expert launch (GemvArgs): blockIdx.y = slot v, y row v ← x row x_rows[v] · W_{members[v]}ᵀ
   const long long* experts;  // (members, 4): codes_a, codes_b, row_scale, signs addresses; nullptr: one matrix
@@ -173,6 +176,7 @@ struct Pair {
   // batch > 1 may split the fused rotation over a cluster (share_rotated_rows); not half-TCQ and
   // the widest words, whose registers would spill with it
   static constexpr bool SHARE_ROTATION = !TWO && WMAX <= 12;
+  static constexpr bool GATED_INPUT = SHARE_ROTATION;  // the gated staging: the same registers to spare
   static_assert(DA::L::WORDS == DB::L::WORDS && DA::L::C == DB::L::C, "the two halves share one table");
 };
 
@@ -253,24 +257,28 @@ __device__ __forceinline__ uint64_t rotation_factor_row(const GemvParams& p, int
   return p.signs && p.rot_k > 1 && threadIdx.x < ccols / 8 ? __ldg(p.hk_neg + seg) : 0ull;
 }
 
-template <class T>
+// GATED: the row is silu(gate) ⊙ up, two loads a chunk (U = 4 chunks a thread in flight: 8 loads,
+// as many registers as the plain staging's U = 8)
+template <class T, int U, bool GATED>
 __device__ __forceinline__ void stage_signed_row(const GemvParams& p, int row, T* raw) {
   const int chunks = (p.rot_k << p.log2p2) / 8;
   const uint4* xr = reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(p.x) + row * p.ldx);
-  for (int base = threadIdx.x; base < chunks; base += 8 * blockDim.x) {
-    uint4 v[8];
-    uint32_t sb[8];
+  for (int base = threadIdx.x; base < chunks; base += U * blockDim.x) {
+    uint4 v[U], up[GATED ? U : 1];
+    uint32_t sb[U];
 #pragma unroll
-    for (int u = 0; u < 8; ++u) {
+    for (int u = 0; u < U; ++u) {
       const int c = base + u * blockDim.x;
       v[u] = c < chunks ? __ldg(xr + c) : make_uint4(0, 0, 0, 0);
+      if constexpr (GATED) up[u] = c < chunks ? __ldg(xr + chunks + c) : make_uint4(0, 0, 0, 0);
       sb[u] = c < chunks ? __ldg(p.signs + c) : 0u;
     }
 #pragma unroll
-    for (int u = 0; u < 8; ++u) {
+    for (int u = 0; u < U; ++u) {
       const int c = base + u * blockDim.x;
       if (c < chunks) {
         float f[8];
+        if constexpr (GATED) v[u] = silu_mul<T>(v[u], up[u]);
         signed_chunk<T>(v[u], sb[u], f);
         T o[8];
 #pragma unroll
@@ -284,7 +292,8 @@ __device__ __forceinline__ void stage_signed_row(const GemvParams& p, int row, T
 // SHARE (kernels that may run in a rotation cluster, p.rs > 1: batch > 1, K = 1, no K split): CTA
 // `rrank` of the cluster transforms rows rrank, rrank + rs, … only, and share_rotated_rows gives
 // every CTA the others'. Without SHARE the loop is the plain one (more registers spill otherwise).
-template <class T, bool SHARE>
+// GATED (Pair::GATED_INPUT): the kernel may form silu(gate) ⊙ up as it loads (p.gated).
+template <class T, bool SHARE, bool GATED>
 __device__ __forceinline__ void stage_x_rotated(const GemvParams& p, uint32_t* xs, float* z, int rank,
                                                 uint64_t hneg, int rrank) {
   const int ccols = p.cgc * 128, xsw = p.cgc * 64 + 4, cpt = (1 << p.log2p2) / 8;
@@ -297,12 +306,15 @@ __device__ __forceinline__ void stage_x_rotated(const GemvParams& p, uint32_t* x
     if (p.rot_k == 1) {
       if (active) {
         const int c = (jj << p.log2p2) / 8 + t;
-        signed_chunk<T>(__ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(p.x) + row * p.ldx) + c),
-                        __ldg(p.signs + c), v);
+        const uint4* xr = reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(p.x) + row * p.ldx);
+        uint4 in = __ldg(xr + c);
+        if (GATED && p.gated) in = silu_mul<T>(in, __ldg(xr + (1 << p.log2p2) / 8 + c));  // K = 1: n = 2^m
+        signed_chunk<T>(in, __ldg(p.signs + c), v);
       }
     } else {
       if (row > 0) __syncthreads();  // the last row's transform has read z
-      stage_signed_row<T>(p, row, reinterpret_cast<T*>(z));
+      if (GATED && p.gated) stage_signed_row<T, 4, GATED>(p, row, reinterpret_cast<T*>(z));
+      else stage_signed_row<T, 8, false>(p, row, reinterpret_cast<T*>(z));
       __syncthreads();
       if (active)
         for (int a = 0; a < p.rot_k; ++a) {
@@ -447,10 +459,10 @@ __device__ __forceinline__ void gemv_body(const GemvParams& p) {
   if (p.signs) {
     if constexpr (PR::SHARE_ROTATION) {
       const int rrank = p.rs > 1 ? cluster_rank() : 0;
-      stage_x_rotated<T, true>(p, xs, rot, rank, hneg, rrank);
+      stage_x_rotated<T, true, PR::GATED_INPUT>(p, xs, rot, rank, hneg, rrank);
       if (p.rs > 1) share_rotated_rows(p, xs, rrank);
     } else {
-      stage_x_rotated<T, false>(p, xs, rot, rank, hneg, 0);
+      stage_x_rotated<T, false, PR::GATED_INPUT>(p, xs, rot, rank, hneg, 0);
     }
   } else {
     stage_x<T>(p, xs, rank);
@@ -678,9 +690,10 @@ int resident(K kern, const cudaLaunchConfig_t& cfg, int cs, int num_sms, int dev
       e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kern, cfg.blockDim.x, cfg.dynamicSmemBytes);
     }
     if (e != cudaSuccess) return e;
-    it = cache.emplace(key, n > 0 ? n : 1).first;
+    it = cache.emplace(key, n).first;
   }
-  // per SM for single CTAs; clusters: at most num_sms / cs of them, at least one (num_sms may vary)
+  // per SM for single CTAs; clusters: at most num_sms / cs of them, at least one if any fits (num_sms
+  // may vary); 0: this configuration cannot be placed at all
   out = cs > 1 ? std::min(it->second, std::max(1, num_sms / cs)) : it->second * num_sms;
   return cudaSuccess;
 }
@@ -704,6 +717,7 @@ int launch_gemv(const GemvArgs& a) {
   size_t smem = 0;
   const bool rotate = a.signs != nullptr;
   const int p2 = rotate ? a.cols / a.rot_k : 0;
+  if (a.gated && (!rotate || a.members || !PR::GATED_INPUT)) return UNSUPPORTED;
   if (rotate && (p2 * a.rot_k != a.cols || a.rot_k > 64 || p2 < 8 || p2 > 4096 || (p2 & (p2 - 1)) != 0 || gtot * 128 != a.cols ||
                  (a.rot_k > 1) != (a.hk_neg != nullptr)))
     return UNSUPPORTED;
@@ -726,30 +740,34 @@ int launch_gemv(const GemvArgs& a) {
   int rs = 1;
   if (PR::SHARE_ROTATION && rotate && a.rot_k == 1 && cs == 1 && a.m > 1 && !a.members && dev.major >= 9)
     while (rs < a.m && rs < MAX_ROTATION_CLUSTER) rs *= 2;
-  const int cdim = cs > 1 ? cs : rs;  // the launch's cluster size
   static bool attr_set[64];
   if (!attr_set[dev.index]) {
     if (cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, dev.smem_optin)) return e;
     attr_set[dev.index] = true;
   }
   cudaLaunchAttribute attrs[2];
-  int na = 0;
   cudaLaunchConfig_t cfg{};
   cfg.blockDim = dim3(nw * 32);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = static_cast<cudaStream_t>(a.stream);
-  if (cdim > 1) {
-    attrs[na].id = cudaLaunchAttributeClusterDimension;
-    attrs[na].val.clusterDim.x = cdim;
-    attrs[na].val.clusterDim.y = 1;
-    attrs[na].val.clusterDim.z = 1;
-    ++na;
-  }
   cfg.attrs = attrs;
-  cfg.numAttrs = na;
-  cfg.gridDim = dim3(cdim);  // the occupancy query wants a whole cluster
   int slots = 0;
-  if (int e = resident(kern, cfg, cdim, a.num_sms, dev.index, slots)) return e;
+  for (;;) {  // a rotation cluster that cannot be placed: one CTA a cluster, transforming every row
+    const int cdim = cs > 1 ? cs : rs;  // the launch's cluster size
+    cfg.numAttrs = 0;
+    if (cdim > 1) {
+      attrs[0].id = cudaLaunchAttributeClusterDimension;
+      attrs[0].val.clusterDim.x = cdim;
+      attrs[0].val.clusterDim.y = 1;
+      attrs[0].val.clusterDim.z = 1;
+      cfg.numAttrs = 1;
+    }
+    cfg.gridDim = dim3(cdim);  // the occupancy query wants a whole cluster
+    if (int e = resident(kern, cfg, cdim, a.num_sms, dev.index, slots)) return e;
+    if (slots > 0 || rs == 1) break;
+    rs = 1;
+  }
+  if (slots == 0) return UNSUPPORTED;  // the op then dequantizes
   const int per_slot = slots / nslot > 0 ? slots / nslot : 1;  // an expert launch shares the SMs among its slots
   p.ncl = p.rt < per_slot ? p.rt : per_slot;
   if (rs > 1) p.ncl = std::max(rs, (std::min(p.rt, slots * rs) / rs) * rs);  // whole clusters of CTAs (some may own no rows)
@@ -769,6 +787,7 @@ int launch_gemv(const GemvArgs& a) {
   p.signs = static_cast<const uint8_t*>(a.signs);
   p.hk_neg = static_cast<const unsigned long long*>(a.hk_neg);
   p.rot_k = a.rot_k;
+  p.gated = a.gated;
   p.log2p2 = rotate ? __builtin_ctz(p2) : 0;
   p.rot_scale = rotate ? 1.0f / sqrtf(static_cast<float>(a.cols)) : 1.0f;
   p.experts = static_cast<const long long*>(a.experts);
@@ -776,9 +795,9 @@ int launch_gemv(const GemvArgs& a) {
   p.x_rows = static_cast<const long long*>(a.x_rows);
   cfg.gridDim = dim3(p.ncl * cs, nslot);
   if (a.pdl && dev.major >= 9) {
-    attrs[na].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attrs[na].val.programmaticStreamSerializationAllowed = 1;
-    cfg.numAttrs = ++na;
+    attrs[cfg.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[cfg.numAttrs].val.programmaticStreamSerializationAllowed = 1;
+    ++cfg.numAttrs;
   }
   if (cudaError_t e = cudaLaunchKernelEx(&cfg, kern, p)) return e;
   return cudaGetLastError();

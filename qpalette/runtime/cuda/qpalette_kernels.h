@@ -29,6 +29,7 @@ struct GemvArgs {
   const void* hk_neg;     // the rotation's factor H_K as K 64-bit row masks (bit a set ⇔ H_K[j, a] = −1),
                           // nullptr when K = 1
   int rot_k;              // K ≤ 64
+  int gated;              // x rows hold [gate | up] (2·cols values): the input is silu(gate) ⊙ up (needs signs)
   long long ldx;
   void* y;                // output (m, ldy) in dtype
   long long ldy;
