@@ -2,7 +2,8 @@
 
 They are torch.library custom ops, `qpalette::rotate`, `qpalette::quantized_matmul` and the two
 in one, `qpalette::rotated_matmul` (the GEMV rotates the activations in its prologue; at batch 1
-by default, see `fuses_rotation`), with fake implementations so that torch.compile and CUDA-graph
+by default, see `fuses_rotation`), and `qpalette::gated_rotated_matmul` (a gated MLP's down
+projection on [gate | up]: the GEMV also forms silu(gate) ⊙ up), with fake implementations so that torch.compile and CUDA-graph
 capture see ordinary ops. The matmul takes the runtime tensors: the checkpoint's, code tensors
 in the lane-major layout (runtime/lanes.py). Each op has two implementations registered:
 
