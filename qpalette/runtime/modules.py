@@ -20,6 +20,7 @@ layout. fp16 buffers (row scales, codebooks) keep their dtype through `model.to(
 
 from __future__ import annotations
 
+import functools
 import os
 import types
 
@@ -176,10 +177,10 @@ class QuantizedLinear(_CallCache, _KeepsFp16):
 
     def takes_gated(self, x: torch.Tensor) -> bool:
         """Whether `gated_forward` suits activations like x: the kernels' path with the rotation in
-        the GEMV (where the GEMV can also form the gated product), and no gradient wanted."""
+        the GEMV, for an entry whose GEMV forms the gated product itself."""
         rows = x.numel() // x.shape[-1]
         return (ops.uses_kernels(x) and ops.fuses_rotation(self.in_features, rows)
-                and not (torch.is_grad_enabled() and x.requires_grad))
+                and ops.gemv_gates_entry(self.quantizer.name))
 
     def gated_forward(self, gu: torch.Tensor) -> torch.Tensor:
         """forward(silu(gate) ⊙ up) for gu = [gate | up] (..., 2·in), the GEMV forming the product
@@ -301,6 +302,21 @@ class FusedSlice(nn.Module):
 SILU_CLASSES = ("SiLU", "SiLUActivation")  # torch's and transformers' (ACT2FN["silu"]) SiLU modules
 
 
+def _code(forward) -> tuple:
+    return forward.__code__.co_code, forward.__code__.co_names
+
+
+@functools.cache
+def _plain_gated_forwards() -> frozenset:
+    """The bytecode of MLP forwards that compute exactly down(act(gate(x)) · up(x)): Llama's (which
+    Qwen2/3, Mistral, OLMoE … copy) and our experts'. Other MLPs with the same attributes may clamp,
+    scale or normalise in between (DeepSeek-V4, Falcon-H1): they keep their own forward."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from qpalette.models.experts import ExpertMLP
+    return frozenset({_code(LlamaMLP.forward), _code(ExpertMLP.forward)})
+
+
 def gated_parts(mlp: nn.Module) -> tuple[QuantizedLinear, QuantizedLinear] | None:
     """(gate/up group, down) of an MLP computing down(silu(gate(x)) ⊙ up(x)) whose gate and up
     are the two halves of one fused group, gate first, and whose down is quantized; else None."""
@@ -308,28 +324,34 @@ def gated_parts(mlp: nn.Module) -> tuple[QuantizedLinear, QuantizedLinear] | Non
     if not (isinstance(gate, FusedSlice) and isinstance(up, FusedSlice) and isinstance(down, QuantizedLinear)):
         return None
     group = gate.group
-    if up.group is not group or gate.start != 0 or gate.stop != up.start or up.stop != group.out_features:
+    if (up.group is not group or gate.start != 0 or gate.stop != up.start or up.stop != group.out_features
+            or gate.stop != down.in_features):
         return None
     if type(getattr(mlp, "act_fn", None)).__name__ not in SILU_CLASSES:
         return None
     return group, down
 
 
-def _gated_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _gated_mlp_forward(self: nn.Module, *args, **kwargs) -> torch.Tensor:
     parts = gated_parts(self)
-    if parts is not None and parts[1].takes_gated(x):
-        group, down = parts
-        return down.gated_forward(group.shared_forward(x))
-    return type(self).forward(self, x)
+    if parts is None or len(args) != 1 or kwargs or not parts[1].takes_gated(args[0]):
+        return type(self).forward(self, *args, **kwargs)
+    group, down = parts
+    gu = group.shared_forward(args[0])
+    if torch.is_grad_enabled() and gu.requires_grad:  # the gated op has no gradient: the MLP's own way
+        n = down.in_features
+        return down(self.act_fn(gu[..., :n]) * gu[..., n:])
+    return down.gated_forward(gu)
 
 
 def install_gated_mlp(mlp: nn.Module) -> bool:
-    """Give a gated MLP (`gated_parts`) a forward in which down's GEMV forms silu(gate) ⊙ up from
-    the group's output itself: no elementwise kernel between the two GEMVs, and down's prologue
-    overlaps the group's GEMV (programmatic dependent launch). Calls off the kernels' path (CPU,
-    batch > the fused rotation's rows, gradients) run the MLP's own forward. A bound method, not
-    a closure: a deep copy of the model calls its own modules."""
-    if gated_parts(mlp) is None:
+    """Give a gated MLP (`gated_parts`, of a class whose forward computes nothing else:
+    `_plain_gated_forwards`) a forward in which down's GEMV forms silu(gate) ⊙ up from the group's
+    output itself: no elementwise kernel between the two GEMVs, and down's prologue overlaps the
+    group's GEMV (programmatic dependent launch). Calls off the kernels' path (CPU, batch > the
+    fused rotation's rows, entries whose GEMV cannot gate, gradients) run the MLP's own way. A
+    bound method, not a closure: a deep copy of the model calls its own modules."""
+    if gated_parts(mlp) is None or _code(type(mlp).forward) not in _plain_gated_forwards():
         return False
     mlp.forward = types.MethodType(_gated_mlp_forward, mlp)
     return True

@@ -138,6 +138,20 @@ def gemv_rotates_entry(quantizer: str, n: int) -> bool:
     return gemv_rotates(n) and (get_quantizer(quantizer).family != "half-tcq" or n % 256 == 0)
 
 
+GATED_MAX_WORDS = 12  # Pair::GATED_INPUT (qpalette_gemv.cuh): the gated staging needs registers to spare
+
+
+@torch.compiler.assume_constant_result
+def gemv_gates_entry(quantizer: str) -> bool:
+    """Entries whose GEMV forms a gated input itself (Pair::GATED_INPUT: not half-TCQ, ≤ 12 code
+    words a lane and group, i.e. ≤ 6 bits); for the others `gated_rotated_matmul` forms it first."""
+    q = get_quantizer(quantizer)
+    if q.family == "half-tcq":
+        return False
+    (_, _, tile_words), _ = q.tensor_specs(16, 16)["codes"]
+    return lanes.group_words(tile_words) <= GATED_MAX_WORDS
+
+
 def rotated_matmul(x: torch.Tensor, signs: torch.Tensor, quantizer: str, tensors: dict[str, torch.Tensor],
                    shape: tuple[int, int]) -> torch.Tensor:
     """quantized_matmul(rotate(x, signs), ...) as one op (one kernel on CUDA for batch ≤ 8)."""

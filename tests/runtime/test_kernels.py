@@ -179,6 +179,7 @@ def test_gated_input_formed_in_the_gemv(ext, name, fuses, dtype):
     """gated_rotated_matmul (silu(gate) ⊙ up, then H(s ⊙ ·), in the GEMV's prologue) against the
     product rounded to the dtype, rotated and multiplied in float32: K = 1 sizes and K·2^m ones
     (14336 = 28·512 over a cluster of 4, 1536 = 12·128), batches 1–9 (9: the dequantize path)."""
+    assert ops.gemv_gates_entry(name) == fuses  # the Python mirror of the kernels' rule
     gen = torch.Generator().manual_seed(12)
     for rows, cols in [(1024, 4096), (256, 128), (64, 14336), (32, 1536)]:
         stored, tensors = random_tensors(name, rows, cols, gen)

@@ -118,19 +118,21 @@ def test_cpu_decoded_weights_equal_the_ops_path_and_follow_new_codes(monkeypatch
     assert "_decoded" not in layer.__dict__
 
 
-def gated_mlp(act: str = "silu", fused: bool = True):
-    """A Llama MLP (64 → 128 → 64) quantized as a checkpoint holds it: gate/up one group (or two
-    layers) sharing a rotation, down with its own."""
+def gated_mlp(act: str = "silu", fused: bool = True, bias: bool = False, cls=None):
+    """A Llama MLP (64 → 128 → 64; or `cls`, a subclass) quantized as a checkpoint holds it: gate/up
+    one group (or two layers) sharing a rotation, down with its own."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaMLP
 
     torch.manual_seed(4)
-    mlp = LlamaMLP(LlamaConfig(hidden_size=64, intermediate_size=128, hidden_act=act))
+    mlp = (cls or LlamaMLP)(LlamaConfig(hidden_size=64, intermediate_size=128, hidden_act=act, mlp_bias=bias))
     rot_gu, rot_down = InputRotation.from_signs(random_signs(64, 1)), InputRotation.from_signs(random_signs(128, 2))
     if fused:
-        both = nn.Linear(64, 256, bias=False)
+        both = nn.Linear(64, 256, bias=bias)
         with torch.no_grad():
             both.weight.copy_(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+            if bias:
+                both.bias.copy_(torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias]))
         group = quantized(both, "tcq-2.0", rot_gu)
         mlp.gate_up_proj = group
         mlp.gate_proj, mlp.up_proj = FusedSlice(group, 0, 128), FusedSlice(group, 128, 256)
@@ -165,6 +167,29 @@ def test_gated_mlp_hands_the_group_output_to_down(monkeypatch):
     assert "forward" not in mlp.__dict__
 
 
-@pytest.mark.parametrize("act, fused", [("gelu", True), ("silu", False)])
-def test_only_silu_mlps_with_gate_up_fused_are_gated(act, fused):
-    assert not qlinear.install_gated_mlp(gated_mlp(act, fused))
+def test_gated_mlp_keeps_its_own_way_for_gradients_and_other_calls(monkeypatch):
+    """A group with a trainable bias makes gate/up's output need a gradient even when x does not:
+    the gated op (no gradient) is not used then, nor for calls other than mlp(x)."""
+    mlp = gated_mlp(bias=True)
+    assert qlinear.install_gated_mlp(mlp)
+    monkeypatch.setitem(qlinear._decoded_bytes, "budget", 0)
+    monkeypatch.setattr(QuantizedLinear, "takes_gated", lambda self, x: True)
+    monkeypatch.setattr(qlinear.ops, "gated_rotated_matmul", lambda *a: pytest.fail("gated op called"))
+    x = torch.randn(3, 64)
+    y = mlp(x)
+    y.sum().backward()
+    assert mlp.gate_up_proj.bias.grad is not None
+    with torch.no_grad():
+        torch.testing.assert_close(mlp(x=x), y.detach())
+
+
+class ClampedMLP(__import__("transformers").models.llama.modeling_llama.LlamaMLP):
+    """Same attributes, other maths (DeepSeek-V4 and others clamp gate and up)."""
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x).clamp(max=1)) * self.up_proj(x).clamp(-1, 1))
+
+
+@pytest.mark.parametrize("act, fused, cls", [("gelu", True, None), ("silu", False, None), ("silu", True, ClampedMLP)])
+def test_only_plain_silu_mlps_with_gate_up_fused_are_gated(act, fused, cls):
+    assert not qlinear.install_gated_mlp(gated_mlp(act, fused, cls=cls))

@@ -61,6 +61,12 @@ def test_gated_rotated_matmul_is_silu_gate_times_up_then_rotated_matmul(name):
                           (gu, signs, codes, codes_b, tensors["row_scale"], get_quantizer(name).name, rows))
 
 
+def test_entries_whose_gemv_forms_the_gated_input():
+    """Mirrors Pair::GATED_INPUT: not half-TCQ, ≤ 12 code words a lane and group (≤ 6 bits)."""
+    assert all(ops.gemv_gates_entry(n) for n in ("tcq-2.0", "tcq-5.0", "nuq-4", "nuq-6", "vq-6.0"))
+    assert not any(ops.gemv_gates_entry(n) for n in ("nuq-7", "nuq-8", "half-tcq-2.25", "half-tcq-3.25"))
+
+
 def test_fused_rotation_sizes_and_modes(monkeypatch):
     monkeypatch.delenv("QPALETTE_FUSED_ROTATION", raising=False)
     assert ops.fuses_rotation(4096, 1) and not ops.fuses_rotation(4096, 2)  # auto: batch 1 only

@@ -763,7 +763,11 @@ int launch_gemv(const GemvArgs& a) {
       cfg.numAttrs = 1;
     }
     cfg.gridDim = dim3(cdim);  // the occupancy query wants a whole cluster
-    if (int e = resident(kern, cfg, cdim, a.num_sms, dev.index, slots)) return e;
+    if (int e = resident(kern, cfg, cdim, a.num_sms, dev.index, slots)) {
+      if (rs == 1) return e;
+      cudaGetLastError();  // a rotation cluster the query refuses: as one that cannot be placed
+      slots = 0;
+    }
     if (slots > 0 || rs == 1) break;
     rs = 1;
   }
