@@ -472,6 +472,12 @@ def _(x, signs, codes, codes_b, row_scale, quantizer, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
+def _gated_reference(gu, signs, codes, codes_b, row_scale, quantizer, out_features):
+    x = rotate_reference(silu_mul_reference(gu), signs)
+    return _qmm_reference(x, codes, codes_b, row_scale, quantizer, out_features)
+
+
+# the schema repeats rotated_matmul's (torch.library infers it from the annotations)
 @torch.library.custom_op("qpalette::gated_rotated_matmul", mutates_args=())
 def _gated_qmm_op(
     gu: torch.Tensor,
@@ -482,15 +488,13 @@ def _gated_qmm_op(
     quantizer: str,
     out_features: int,
 ) -> torch.Tensor:
-    x = rotate_reference(silu_mul_reference(gu), signs)
-    return _qmm_reference(x, codes, codes_b, row_scale, quantizer, out_features)
+    return _gated_reference(gu, signs, codes, codes_b, row_scale, quantizer, out_features)
 
 
 @_gated_qmm_op.register_kernel("cuda")
 def _(gu, signs, codes, codes_b, row_scale, quantizer, out_features):
     if not (_kernel_dtype(gu) and _kernels_ok()):
-        x = rotate_reference(silu_mul_reference(gu), signs)
-        return _qmm_reference(x, codes, codes_b, row_scale, quantizer, out_features)
+        return _gated_reference(gu, signs, codes, codes_b, row_scale, quantizer, out_features)
     return _qmm_cuda(gu, codes, codes_b, row_scale, quantizer, out_features, signs, gated=True)
 
 
