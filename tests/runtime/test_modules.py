@@ -193,3 +193,22 @@ class ClampedMLP(__import__("transformers").models.llama.modeling_llama.LlamaMLP
 @pytest.mark.parametrize("act, fused, cls", [("gelu", True, None), ("silu", False, None), ("silu", True, ClampedMLP)])
 def test_only_plain_silu_mlps_with_gate_up_fused_are_gated(act, fused, cls):
     assert not qlinear.install_gated_mlp(gated_mlp(act, fused, cls=cls))
+
+
+@pytest.mark.gpu
+def test_gated_mlp_on_the_kernels_equals_its_own_forward(monkeypatch):
+    """On CUDA at batch 1 (the rotation fused) the MLP runs the gated GEMV for real; its output
+    matches the MLP's own forward (SiLU·mul in torch, then down's GEMV)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    mlp = gated_mlp().to("cuda", torch.float16)
+    assert qlinear.install_gated_mlp(mlp)
+    calls = []
+    real = qlinear.ops.gated_rotated_matmul
+    monkeypatch.setattr(qlinear.ops, "gated_rotated_matmul", lambda *a: calls.append(1) or real(*a))
+    x = torch.randn(1, 64, device="cuda", dtype=torch.float16)
+    with torch.no_grad():
+        own = type(mlp).forward(mlp, x)
+        got = mlp(x)
+    assert calls == [1]
+    assert ((got.float() - own.float()).norm() / own.float().norm()).item() < 1e-2
