@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def make_results_module():
+    spec = importlib.util.spec_from_file_location("make_results", ROOT / "scripts" / "make_results.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def test_make_results_regenerates_report_from_results(tmp_path):
@@ -18,7 +26,8 @@ def test_make_results_regenerates_report_from_results(tmp_path):
     for png in ("quality_smollm2", "linearity_smollm2", "kernels_h100", "decode_llama8b"):
         assert (tmp_path / "results" / f"{png}.png").stat().st_size > 1000
         assert f"results/{png}.png" in text
-    speed = ROOT / "results" / "speed_llama8b_v3"
+    script = make_results_module()
+    speed = ROOT / "results" / script.SPEED_RUNS
     fp16 = json.loads((speed / "bench_fp16.json").read_text())["rows"][0]
     gen = f"{fp16['tok_per_s']:.1f}" if fp16.get("tok_per_s") else "–"  # runs that timed the loop only
     assert f"| fp16 | – | 1 | {fp16['loop_tok_per_s']:.1f} | 1.00× | {gen} |" in text
@@ -31,6 +40,10 @@ def test_make_results_regenerates_report_from_results(tmp_path):
         loop = json.loads((speed / f"bench_{key}.json").read_text())["rows"][0]["loop_tok_per_s"]
         assert f"| speed plan {key} lands within 5% of its planned tok/s | loop {loop / planned:.3f} of {planned:.1f} |" in targets
     assert "host time of one graph call" in text
+    update = json.loads((ROOT / "results" / script.KERNEL_UPDATE).read_text())["rows"]
+    row = next(r for r in update if r["entry"] == "tcq-2.0" and r["batch"] == 1 and r["shape"].startswith("gate/up"))
+    assert f"| {row['shape']} | tcq-2.0 | {row['us']:.1f} |" in text  # the later run's rows replace the full table's
+    assert f"`results/{script.KERNEL_UPDATE}`" in text
     att = json.loads((ROOT / "results" / "decode_attention_h100" / "bench_attention.json").read_text())["rows"]
     for r in att:  # every row, the kernel's µs and its gain over transformers' path from the file
         gain = r["transformers sdpa us"] / r["qpalette kernel us"]
