@@ -68,6 +68,12 @@ def run_fused(ext, name, x2, tensors, rows, pdl=True, signs=None, num_sms=None, 
                     num_sms or torch.cuda.get_device_properties(0).multi_processor_count, pdl, signs, hk, k, gated)
 
 
+def one_cta_takes(cols: int) -> bool:
+    """Whether one CTA (16 warps of 2 groups of 128 columns) holds all of K: wider inputs need a
+    thread-block cluster, which only Hopper (sm_90+) has; elsewhere such a fused launch declines."""
+    return cols <= 16 * 2 * 128 or torch.cuda.get_device_capability()[0] >= 9
+
+
 def run_dequant(ext, name, tensors, shape, dtype):
     spec = ops.kernel_spec(name)
     a, b = ops.code_tensors(name, tensors)
@@ -167,7 +173,8 @@ def test_rotation_fused_into_the_gemv(ext, name, dtype):
             assert rel_err(y, ref) <= TOL, (rows, cols, m)
             if m <= ops.FUSED_MAX_ROWS:
                 fused = run_fused(ext, name, x, tensors, rows, signs=signs)
-                assert (fused is not None) == ops.gemv_rotates_entry(name, cols), (rows, cols)  # whole groups
+                expect = ops.gemv_rotates_entry(name, cols) and one_cta_takes(cols)  # whole groups
+                assert (fused is not None) == expect, (rows, cols)
 
 
 # entries whose GEMV forms the gated input itself (not half-TCQ, words ≤ 12: Pair::GATED_INPUT); the
@@ -194,7 +201,7 @@ def test_gated_input_formed_in_the_gemv(ext, name, fuses, dtype):
             assert rel_err(y, ref) <= TOL, (rows, cols, m)
             if m <= ops.FUSED_MAX_ROWS:
                 fused = run_fused(ext, name, gu, tensors, rows, signs=signs, gated=True)
-                assert (fused is not None) == fuses, (rows, cols)
+                assert (fused is not None) == (fuses and one_cta_takes(cols)), (rows, cols)
                 if fused is not None:
                     assert rel_err(fused, ref) <= TOL, (rows, cols, m)
 
