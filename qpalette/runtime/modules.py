@@ -162,18 +162,24 @@ class QuantizedLinear(_CallCache, _KeepsFp16):
         if w is not None:  # CPU: the weight decoded once, in the original basis (no rotation)
             y = F.linear(x, w)
         else:
-            if not self.lane_major:  # a plain attribute: compiled code guards on it, no graph break
-                self.to_lane_major()
-            ops.prepare(x, self.quantizer.name)
-            ops.prepare(x)  # the rotation's H_K factor, for the GEMV that rotates x itself
+            self._ready_for_ops(x)
             shape = (self.out_features, self.in_features)
             if ops.fuses_rotation(self.in_features, x.numel() // self.in_features):  # the GEMV rotates x itself
                 y = ops.rotated_matmul(x, self.rotation.signs, self.quantizer.name, self.stored_tensors(), shape)
             else:  # one rotation shared by the input group
                 y = ops.quantized_matmul(self.rotation(x), self.quantizer.name, self.stored_tensors(), shape)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y
+        return self._add_bias(y)
+
+    def _ready_for_ops(self, x: torch.Tensor) -> None:
+        """Before an op call on inputs like x (in_features wide): the lane-major codes, the table and
+        the rotation's H_K factor for the GEMV that rotates x itself."""
+        if not self.lane_major:  # a plain attribute: compiled code guards on it, no graph break
+            self.to_lane_major()
+        ops.prepare(x, self.quantizer.name)
+        ops.prepare(x)
+
+    def _add_bias(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def takes_gated(self, x: torch.Tensor) -> bool:
         """Whether `gated_forward` suits activations like x: the kernels' path with the rotation in
@@ -185,15 +191,10 @@ class QuantizedLinear(_CallCache, _KeepsFp16):
     def gated_forward(self, gu: torch.Tensor) -> torch.Tensor:
         """forward(silu(gate) ⊙ up) for gu = [gate | up] (..., 2·in), the GEMV forming the product
         while it stages its input (`ops.gated_rotated_matmul`); callers check `takes_gated` first."""
-        if not self.lane_major:
-            self.to_lane_major()
-        ops.prepare(gu, self.quantizer.name)
-        ops.prepare(gu[..., : self.in_features])  # the rotation's H_K factor
+        self._ready_for_ops(gu[..., : self.in_features])  # the gate half: the input's width and dtype
         y = ops.gated_rotated_matmul(gu, self.rotation.signs, self.quantizer.name, self.stored_tensors(),
                                      (self.out_features, self.in_features))
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y
+        return self._add_bias(y)
 
     def _apply(self, fn, recurse=True):
         forget_decoded(self)  # moved or cast: decode again where it is used next
