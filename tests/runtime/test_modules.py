@@ -1,8 +1,11 @@
 """qpalette.qlinear: the modules a checkpoint loads into, against the simulated float layer."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
+from transformers.models.llama.modeling_llama import LlamaMLP
 
 from qpalette.compression.blocks import quantize_matrix
 from qpalette.quant.incoherence import random_signs, unpack_signs, unrotate_weight
@@ -122,7 +125,6 @@ def gated_mlp(act: str = "silu", fused: bool = True, bias: bool = False, cls=Non
     """A Llama MLP (64 → 128 → 64; or `cls`, a subclass) quantized as a checkpoint holds it: gate/up
     one group (or two layers) sharing a rotation, down with its own."""
     from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaMLP
 
     torch.manual_seed(4)
     mlp = (cls or LlamaMLP)(LlamaConfig(hidden_size=64, intermediate_size=128, hidden_act=act, mlp_bias=bias))
@@ -161,8 +163,8 @@ def test_gated_mlp_hands_the_group_output_to_down(monkeypatch):
         got = mlp(x)
     assert calls == [(3, 256)]
     torch.testing.assert_close(got, own, rtol=1e-4, atol=1e-5)
-    copy = __import__("copy").deepcopy(mlp)
-    assert copy.forward.__self__ is copy
+    clone = copy.deepcopy(mlp)
+    assert clone.forward.__self__ is clone
     qlinear.remove_gated_mlp(mlp)
     assert "forward" not in mlp.__dict__
 
@@ -183,7 +185,7 @@ def test_gated_mlp_keeps_its_own_way_for_gradients_and_other_calls(monkeypatch):
         torch.testing.assert_close(mlp(x=x), y.detach())
 
 
-class ClampedMLP(__import__("transformers").models.llama.modeling_llama.LlamaMLP):
+class ClampedMLP(LlamaMLP):
     """Same attributes, other maths (DeepSeek-V4 and others clamp gate and up)."""
 
     def forward(self, x):
