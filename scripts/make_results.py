@@ -192,8 +192,8 @@ def speed(folder: Path, figdir: Path) -> list[str]:
                "its matmuls' isolated times). "
                "2bit and 4bit: every layer and lm_head tcq-2.0, resp. nuq-4 (`compress --scheme E --lm-head`); "
                "speedN: the plan for N tok/s (lm_head 16-bit: the reference sensitivities have no lm_head "
-               "coefficient); `…_before`: the same checkpoint on an earlier tree's kernels in the same device call; "
-               f"– where a run timed the loop only. Which call measured which file: `results/{folder.name}/README.md`. "
+               "coefficient); `…_before`: the same checkpoint on an earlier tree's kernels in the same run; "
+               f"– where a run timed the loop only. Which run measured which file: `results/{folder.name}/README.md`. "
                "Earlier runs: `results/speed_llama8b_v2/` … `_v5/`, `results/speed_llama8b/` (v1 kernels).")
     out += ["", "| model | plan budget | batch | loop tok/s | loop × FP16 | generate tok/s | generate × FP16 | "
             "loop throughput | planned tok/s | loop / planned |", "|---|---|---|---|---|---|---|---|---|---|"]
