@@ -40,8 +40,10 @@ from qpalette.runtime.modules import (
     InputRotation,
     QuantizedLinear,
     install_cache_reset,
+    install_fused_block,
     install_gated_mlp,
     remove_cache_reset,
+    remove_fused_block,
     remove_gated_mlp,
 )
 from qpalette.version import __version__
@@ -181,6 +183,8 @@ def convert_model(model: nn.Module, layout: Layout, dtype: torch.dtype | None = 
     for parent in parents:
         install_cache_reset(_get(model, parent))
         install_gated_mlp(_get(model, parent))
+    for block in {p.rpartition(".")[0] for p in parents if "." in p}:  # decoder layers: model.layers.i
+        install_fused_block(_get(model, block))
     grouped_experts.install(model)
     model.register_module(CODEBOOKS_MODULE, Codebooks(layout.codebooks))
     return model
@@ -225,5 +229,6 @@ def dequantize_model(model: nn.Module, layout: Layout, dtype: torch.dtype) -> nn
     for m in model.modules():
         remove_cache_reset(m)
         remove_gated_mlp(m)
+        remove_fused_block(m)
     delattr(model, CODEBOOKS_MODULE)
     return model

@@ -21,6 +21,7 @@ layout. fp16 buffers (row scales, codebooks) keep their dtype through `model.to(
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import types
 
@@ -61,6 +62,10 @@ class _CallCache:
 
     def reset_cache(self) -> None:
         self.__dict__["_cache"] = None
+
+    def remember(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Take y as the result for x until the reset (computed elsewhere, e.g. with a norm fused)."""
+        self.__dict__["_cache"] = (x, y)
 
 
 class InputRotation(_CallCache, nn.Module):
@@ -183,18 +188,37 @@ class QuantizedLinear(_CallCache, _KeepsFp16):
 
     def takes_gated(self, x: torch.Tensor) -> bool:
         """Whether `gated_forward` suits activations like x: the kernels' path with the rotation in
-        the GEMV, for an entry whose GEMV forms the gated product itself."""
+        the GEMV, for an entry whose GEMV forms its input itself."""
         rows = x.numel() // x.shape[-1]
         return (ops.uses_kernels(x) and ops.fuses_rotation(self.in_features, rows)
-                and ops.gemv_gates_entry(self.quantizer.name))
+                and ops.gemv_forms_input(self.quantizer.name))
 
-    def gated_forward(self, gu: torch.Tensor) -> torch.Tensor:
-        """forward(silu(gate) ⊙ up) for gu = [gate | up] (..., 2·in), the GEMV forming the product
-        while it stages its input (`ops.gated_rotated_matmul`); callers check `takes_gated` first."""
+    def gated_forward(self, gu: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """forward(silu(gate) ⊙ up) [+ residual] for gu = [gate | up] (..., 2·in), the GEMV forming
+        the product while it stages its input and adding the residual as it writes its output
+        (`ops.gated_rotated_matmul`); callers check `takes_gated` first."""
         self._ready_for_ops(gu[..., : self.in_features])  # the gate half: the input's width and dtype
+        if self.bias is not None and residual is not None:  # bias first, then the residual
+            return self.gated_forward(gu) + residual
         y = ops.gated_rotated_matmul(gu, self.rotation.signs, self.quantizer.name, self.stored_tensors(),
-                                     (self.out_features, self.in_features))
+                                     (self.out_features, self.in_features), residual)
         return self._add_bias(y)
+
+    def takes_normed(self, x: torch.Tensor, norm: nn.Module) -> bool:
+        """Whether `normed_forward` suits activations like x and this RMSNorm: `takes_gated`'s
+        conditions, a power-of-two input (`ops.gemv_norms`) and the norm's weight in x's dtype."""
+        return self.takes_gated(x) and ops.gemv_norms(self.in_features) and norm.weight.dtype == x.dtype
+
+    def normed_forward(self, x: torch.Tensor, norm: nn.Module,
+                       residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(forward(norm(h)), h) with h = x + residual (or x, then None is returned for it): a
+        decoder block's add + RMSNorm (`norm`: weight, variance_epsilon) in the GEMV's prologue
+        (`ops.normed_rotated_matmul`); callers check `takes_normed` first."""
+        self._ready_for_ops(x)
+        y, h = ops.normed_rotated_matmul(x, norm.weight, norm.variance_epsilon, self.rotation.signs,
+                                         self.quantizer.name, self.stored_tensors(),
+                                         (self.out_features, self.in_features), residual)
+        return self._add_bias(y), h
 
     def _apply(self, fn, recurse=True):
         forget_decoded(self)  # moved or cast: decode again where it is used next
@@ -304,6 +328,9 @@ SILU_CLASSES = ("SiLU", "SiLUActivation")  # torch's and transformers' (ACT2FN["
 
 
 def _code(forward) -> tuple:
+    """A function's bytecode and names, under its decorators (transformers wraps forwards in
+    kwarg-renaming decorators whose wrapper code is the same for every class)."""
+    forward = inspect.unwrap(forward)
     return forward.__code__.co_code, forward.__code__.co_names
 
 
@@ -404,3 +431,79 @@ def remove_cache_reset(parent: nn.Module) -> None:
     handle = parent.__dict__.pop("_qpalette_cache_reset", None)
     if handle is not None:
         handle.remove()
+
+
+# ---- decoder blocks: the residual adds and RMSNorms inside the GEMVs -----------------------------
+@functools.cache
+def _plain_block_forwards() -> dict[str, frozenset]:
+    """Bytecode of the modules whose forwards a fused block replaces or skips, as they compute
+    nothing else: Llama's decoder layer (norm → attention → add → norm → MLP → add), its attention
+    (which reads its input only through q/k/v_proj) and LlamaRMSNorm."""
+    from transformers.models.llama import modeling_llama as llama
+    return {"layer": frozenset({_code(llama.LlamaDecoderLayer.forward)}),
+            "attention": frozenset({_code(llama.LlamaAttention.forward)}),
+            "norm": frozenset({_code(llama.LlamaRMSNorm.forward)})}
+
+
+def fused_block_parts(layer: nn.Module) -> tuple[QuantizedLinear, QuantizedLinear, QuantizedLinear] | None:
+    """(q/k/v group, gate/up group, down) of a decoder layer whose q, k and v are the slices of one
+    fused group and whose MLP is gated (`gated_parts`); else None. Cheap: the forward checks it on
+    every call (`install_fused_block` checks the classes' code once)."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    slices = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
+    if mlp is None or not all(isinstance(s, FusedSlice) for s in slices):
+        return None
+    group = slices[0].group
+    parts = gated_parts(mlp)
+    if parts is None or slices[1].group is not group or slices[2].group is not group:
+        return None
+    return group, *parts
+
+
+def _plain_block(layer: nn.Module) -> bool:
+    """Whether the layer, its attention and its two norms are of classes whose forwards compute
+    exactly Llama's (`_plain_block_forwards`)."""
+    plain = _plain_block_forwards()
+    norms = [getattr(layer, n, None) for n in ("input_layernorm", "post_attention_layernorm")]
+    return (_code(type(layer).forward) in plain["layer"]
+            and _code(type(layer.self_attn).forward) in plain["attention"]
+            and all(n is not None and _code(type(n).forward) in plain["norm"] for n in norms))
+
+
+def _fused_block_forward(self: nn.Module, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    parts = fused_block_parts(self)
+    if parts is None or args or torch.is_grad_enabled() or not _block_takes_fused(self, parts, hidden_states):
+        return type(self).forward(self, hidden_states, *args, **kwargs)
+    qkv, gate_up, down = parts
+    q_in, _ = qkv.normed_forward(hidden_states, self.input_layernorm)
+    qkv.remember(hidden_states, q_in)  # q/k/v_proj(hidden_states) inside the attention: these rows
+    attn_out, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
+    gu, h = gate_up.normed_forward(attn_out, self.post_attention_layernorm, residual=hidden_states)
+    return down.gated_forward(gu, residual=h)
+
+
+def _block_takes_fused(layer: nn.Module, parts: tuple, x: torch.Tensor) -> bool:
+    qkv, gate_up, down = parts
+    return (qkv.takes_normed(x, layer.input_layernorm) and gate_up.takes_normed(x, layer.post_attention_layernorm)
+            and down.takes_gated(x))
+
+
+def install_fused_block(layer: nn.Module) -> bool:
+    """Give a Llama-style decoder layer (`fused_block_parts`, of a class whose forward computes
+    nothing else) a forward in which the GEMVs do the block's elementwise work: q/k/v's prologue
+    applies the input RMSNorm, gate/up's adds the attention output to the residual and applies
+    the second RMSNorm, down's epilogue adds the residual (with silu(gate) ⊙ up in its prologue,
+    `install_gated_mlp`). At batch 1 a block is then GEMVs, rope and attention only. Calls off that
+    path (CPU, batch > 1, entries or sizes the GEMV cannot take, gradients, positional arguments)
+    run the layer's own forward. The norms' and the MLP's own forwards (and their hooks) are skipped
+    on that path. A bound method: a deep copy calls its own modules."""
+    if fused_block_parts(layer) is None or not _plain_block(layer):
+        return False
+    layer.forward = types.MethodType(_fused_block_forward, layer)
+    return True
+
+
+def remove_fused_block(layer: nn.Module) -> None:
+    forward = layer.__dict__.get("forward")
+    if isinstance(forward, types.MethodType) and forward.__func__ is _fused_block_forward:
+        del layer.__dict__["forward"]

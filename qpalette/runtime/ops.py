@@ -2,9 +2,11 @@
 
 They are torch.library custom ops, `qpalette::rotate`, `qpalette::quantized_matmul` and the two
 in one, `qpalette::rotated_matmul` (the GEMV rotates the activations in its prologue; at batch 1
-by default, see `fuses_rotation`), and `qpalette::gated_rotated_matmul` (a gated MLP's down
-projection on [gate | up]: the GEMV also forms silu(gate) ⊙ up), with fake implementations so that torch.compile and CUDA-graph
-capture see ordinary ops. The matmul takes the runtime tensors: the checkpoint's, code tensors
+by default, see `fuses_rotation`), `qpalette::gated_rotated_matmul` (a gated MLP's down projection
+on [gate | up]: the GEMV also forms silu(gate) ⊙ up, and may add the block's residual to its
+output) and `qpalette::normed_rotated_matmul` (the GEMV also adds the residual and applies the
+RMSNorm that precede it in a decoder block), with fake implementations so that torch.compile and
+CUDA-graph capture see ordinary ops. The matmul takes the runtime tensors: the checkpoint's, code tensors
 in the lane-major layout (runtime/lanes.py). Each op has two implementations registered:
 
 - CPU (and any device without kernels): the pure-PyTorch reference — back to the checkpoint
@@ -56,6 +58,13 @@ def silu_mul_reference(gu: torch.Tensor) -> torch.Tensor:
     """silu(gate) ⊙ up for gu = [gate | up] over the last dimension, in float32, rounded once."""
     g, u = gu.float().chunk(2, dim=-1)
     return (F.silu(g) * u).to(gu.dtype)
+
+
+def rms_norm_reference(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm's arithmetic: statistics in float32, the normalised values rounded to h's dtype,
+    then multiplied by the weight."""
+    hf = h.float()
+    return weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
 
 
 def dequantize(quantizer: str, tensors: dict[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
@@ -138,18 +147,26 @@ def gemv_rotates_entry(quantizer: str, n: int) -> bool:
     return gemv_rotates(n) and (get_quantizer(quantizer).family != "half-tcq" or n % 256 == 0)
 
 
-GATED_MAX_WORDS = 12  # Pair::GATED_INPUT (qpalette_gemv.cuh): the gated staging needs registers to spare
+FORMS_INPUT_MAX_WORDS = 12  # Pair::FORMS_INPUT (qpalette_gemv.cuh): that staging needs registers to spare
 
 
 @torch.compiler.assume_constant_result
-def gemv_gates_entry(quantizer: str) -> bool:
-    """Entries whose GEMV forms a gated input itself (Pair::GATED_INPUT: not half-TCQ, ≤ 12 code
-    words a lane and group, i.e. ≤ 6 bits); for the others `gated_rotated_matmul` forms it first."""
+def gemv_forms_input(quantizer: str) -> bool:
+    """Entries whose GEMV forms its input itself, silu(gate) ⊙ up or add + RMSNorm (Pair::FORMS_INPUT:
+    not half-TCQ, ≤ 12 code words a lane and group, i.e. ≤ 6 bits); for the others the ops form it
+    in torch first."""
     q = get_quantizer(quantizer)
     if q.family == "half-tcq":
         return False
     (_, _, tile_words), _ = q.tensor_specs(16, 16)["codes"]
-    return lanes.group_words(tile_words) <= GATED_MAX_WORDS
+    return lanes.group_words(tile_words) <= FORMS_INPUT_MAX_WORDS
+
+
+@torch.compiler.assume_constant_result
+def gemv_norms(n: int) -> bool:
+    """Input sizes whose GEMV can apply an RMSNorm itself: a power of two it rotates (K = 1), so
+    that one CTA holds the whole row for the sum of squares."""
+    return gemv_rotates(n) and decompose(n)[0] == 1
 
 
 def rotated_matmul(x: torch.Tensor, signs: torch.Tensor, quantizer: str, tensors: dict[str, torch.Tensor],
@@ -161,13 +178,26 @@ def rotated_matmul(x: torch.Tensor, signs: torch.Tensor, quantizer: str, tensors
 
 
 def gated_rotated_matmul(gu: torch.Tensor, signs: torch.Tensor, quantizer: str, tensors: dict[str, torch.Tensor],
-                         shape: tuple[int, int]) -> torch.Tensor:
-    """rotated_matmul(silu(gate) ⊙ up, ...) for gu = [gate | up] (..., 2·in): a gated MLP's down
-    projection reading the gate/up GEMV's output as it is (one kernel on CUDA for batch ≤ 8, no
-    elementwise kernel between the two GEMVs). Inference only: no gradient."""
+                         shape: tuple[int, int], residual: torch.Tensor | None = None) -> torch.Tensor:
+    """rotated_matmul(silu(gate) ⊙ up, ...) [+ residual] for gu = [gate | up] (..., 2·in): a gated
+    MLP's down projection reading the gate/up GEMV's output as it is (one kernel on CUDA for batch
+    ≤ 8, no elementwise kernel between the two GEMVs), optionally adding the decoder block's
+    residual (..., out) as it writes y (rounded like y + residual). Inference only: no gradient."""
     codes, codes_b = code_tensors(quantizer, tensors)
     return torch.ops.qpalette.gated_rotated_matmul(gu, signs, codes, codes_b, tensors["row_scale"],
-                                                   get_quantizer(quantizer).name, shape[0])
+                                                   get_quantizer(quantizer).name, shape[0], residual)
+
+
+def normed_rotated_matmul(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, signs: torch.Tensor,
+                          quantizer: str, tensors: dict[str, torch.Tensor], shape: tuple[int, int],
+                          residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(rotated_matmul(rms_norm_reference(h, norm_weight, eps), ...), h) with h = x + residual (or x):
+    a decoder block's residual add and RMSNorm in the GEMV's prologue (one kernel on CUDA for batch
+    ≤ 8 and power-of-two inputs, `gemv_norms`). h is None without a residual. Inference only."""
+    codes, codes_b = code_tensors(quantizer, tensors)
+    y, h = torch.ops.qpalette.normed_rotated_matmul(x, residual, norm_weight, eps, signs, codes, codes_b,
+                                                    tensors["row_scale"], get_quantizer(quantizer).name, shape[0])
+    return y, (h if residual is not None else None)
 
 
 def quantized_matmul(
@@ -403,20 +433,30 @@ def _(x, codes, codes_b, row_scale, quantizer, out_features):
     return _qmm_cuda(x, codes, codes_b, row_scale, quantizer, out_features)
 
 
-def _qmm_cuda(x, codes, codes_b, row_scale, quantizer, out_features, signs=None, gated=False):
+def _qmm_cuda(x, codes, codes_b, row_scale, quantizer, out_features, signs=None, gated=False, y_add=None):
     """The matmul ops on the kernels: all leading dimensions of x as activation rows."""
     lead, n_in = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, n_in).contiguous()
     if x2.shape[0] == 0:
         return x.new_empty((*lead, out_features))
     y = _qmm_kernels(x2, codes.contiguous(), codes_b.contiguous() if codes_b is not None else None,
-                     row_scale, quantizer, out_features, signs.contiguous() if signs is not None else None, gated)
+                     row_scale, quantizer, out_features, signs.contiguous() if signs is not None else None, gated,
+                     y_add=y_add.reshape(-1, out_features).contiguous() if y_add is not None else None)
     return y.reshape(*lead, out_features)
 
 
-def _qmm_kernels(x2, codes, codes_b, row_scale, quantizer, out_features, signs=None, gated=False):
+def _normed_input(x2, weight, eps, residual, h_out):
+    h = x2 if residual is None else torch.add(x2, residual, out=h_out)
+    return rms_norm_reference(h, weight, eps)
+
+
+def _qmm_kernels(x2, codes, codes_b, row_scale, quantizer, out_features, signs=None, gated=False, norm=None,
+                 y_add=None):
     """y = x2 · W_rᵀ on the kernels; with `signs`, x2 is rotated first (in the GEMV when it can);
-    `gated`: x2 = [gate | up] and the input is silu(gate) ⊙ up (formed in the GEMV when it can)."""
+    `gated`: x2 = [gate | up] and the input is silu(gate) ⊙ up; `norm` = (weight, eps, residual,
+    h_out): the input is rms_norm_reference(x2 + residual) with the sum written to h_out (residual
+    and h_out may be None); `y_add` (rows, out) is added to y. The GEMV does each of these itself
+    when it can; otherwise torch does them around the plain path."""
     dev = x2.device
     spec = kernel_spec(quantizer)
     table = lut(quantizer, x2.dtype, dev)
@@ -428,12 +468,16 @@ def _qmm_kernels(x2, codes, codes_b, row_scale, quantizer, out_features, signs=N
         hk = _hadamard_row_masks(k, dev) if k > 1 and k <= FUSED_ROTATION_MAX_K else None
     with torch.cuda.device(dev):
         if x2.shape[0] <= FUSED_MAX_ROWS:
+            nw, eps, res, h_out = norm or (None, 0.0, None, None)
             y = ext.gemv(x2, codes, codes_b, row_scale, table, family, spec.p0, spec.p1, out_features,
-                         _stream(dev), _num_sms(dev), _pdl(), signs, hk, k, gated)
+                         _stream(dev), _num_sms(dev), _pdl(), signs, hk, k, gated, nw, eps, res, h_out, y_add)
             if y is not None:
                 return y
-        if gated:
-            return _qmm_kernels(silu_mul_reference(x2), codes, codes_b, row_scale, quantizer, out_features, signs)
+        if norm is not None or gated:
+            x2 = _normed_input(x2, *norm) if norm is not None else silu_mul_reference(x2)
+            return _qmm_kernels(x2, codes, codes_b, row_scale, quantizer, out_features, signs, y_add=y_add)
+        if y_add is not None:
+            return _qmm_kernels(x2, codes, codes_b, row_scale, quantizer, out_features, signs) + y_add
         if signs is not None:
             x2 = _rotate_cuda(x2, signs)
             return _qmm_kernels(x2, codes, codes_b, row_scale, quantizer, out_features)
@@ -472,9 +516,10 @@ def _(x, signs, codes, codes_b, row_scale, quantizer, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
-def _gated_reference(gu, signs, codes, codes_b, row_scale, quantizer, out_features):
+def _gated_reference(gu, signs, codes, codes_b, row_scale, quantizer, out_features, residual):
     x = rotate_reference(silu_mul_reference(gu), signs)
-    return _qmm_reference(x, codes, codes_b, row_scale, quantizer, out_features)
+    y = _qmm_reference(x, codes, codes_b, row_scale, quantizer, out_features)
+    return y if residual is None else y + residual
 
 
 # the schema repeats rotated_matmul's (torch.library infers it from the annotations)
@@ -487,20 +532,70 @@ def _gated_qmm_op(
     row_scale: torch.Tensor,
     quantizer: str,
     out_features: int,
+    residual: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    return _gated_reference(gu, signs, codes, codes_b, row_scale, quantizer, out_features)
+    return _gated_reference(gu, signs, codes, codes_b, row_scale, quantizer, out_features, residual)
 
 
 @_gated_qmm_op.register_kernel("cuda")
-def _(gu, signs, codes, codes_b, row_scale, quantizer, out_features):
-    if not (_kernel_dtype(gu) and _kernels_ok()):
-        return _gated_reference(gu, signs, codes, codes_b, row_scale, quantizer, out_features)
-    return _qmm_cuda(gu, codes, codes_b, row_scale, quantizer, out_features, signs, gated=True)
+def _(gu, signs, codes, codes_b, row_scale, quantizer, out_features, residual=None):
+    if not (_kernel_dtype(gu) and _kernels_ok()) or (residual is not None and residual.dtype != gu.dtype):
+        return _gated_reference(gu, signs, codes, codes_b, row_scale, quantizer, out_features, residual)
+    return _qmm_cuda(gu, codes, codes_b, row_scale, quantizer, out_features, signs, gated=True, y_add=residual)
 
 
 @_gated_qmm_op.register_fake
-def _(gu, signs, codes, codes_b, row_scale, quantizer, out_features):
+def _(gu, signs, codes, codes_b, row_scale, quantizer, out_features, residual=None):
     return gu.new_empty((*gu.shape[:-1], out_features))
+
+
+def _normed_reference(x, residual, norm_weight, eps, signs, codes, codes_b, row_scale, quantizer, out_features):
+    h = x if residual is None else x + residual
+    xr = rotate_reference(rms_norm_reference(h, norm_weight, eps), signs)
+    return _qmm_reference(xr, codes, codes_b, row_scale, quantizer, out_features), _sum_or_empty(h, residual)
+
+
+def _sum_or_empty(h, residual):
+    """The op's second output: x + residual, or an empty tensor without a residual (an op's output
+    may not alias its input)."""
+    return h if residual is not None else h.new_empty(0)
+
+
+@torch.library.custom_op("qpalette::normed_rotated_matmul", mutates_args=())
+def _normed_qmm_op(
+    x: torch.Tensor,
+    residual: Optional[torch.Tensor],
+    norm_weight: torch.Tensor,
+    eps: float,
+    signs: torch.Tensor,
+    codes: torch.Tensor,
+    codes_b: Optional[torch.Tensor],
+    row_scale: torch.Tensor,
+    quantizer: str,
+    out_features: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _normed_reference(x, residual, norm_weight, eps, signs, codes, codes_b, row_scale, quantizer, out_features)
+
+
+@_normed_qmm_op.register_kernel("cuda")
+def _(x, residual, norm_weight, eps, signs, codes, codes_b, row_scale, quantizer, out_features):
+    same = norm_weight.dtype == x.dtype and (residual is None or residual.dtype == x.dtype)
+    if not (_kernel_dtype(x) and _kernels_ok() and same) or x.numel() == 0:
+        return _normed_reference(x, residual, norm_weight, eps, signs, codes, codes_b, row_scale, quantizer,
+                                 out_features)
+    lead, n = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, n).contiguous()
+    r2 = residual.reshape(-1, n).contiguous() if residual is not None else None
+    h2 = torch.empty_like(x2) if residual is not None else None
+    y = _qmm_kernels(x2, codes.contiguous(), codes_b.contiguous() if codes_b is not None else None, row_scale,
+                     quantizer, out_features, signs.contiguous(), norm=(norm_weight.contiguous(), eps, r2, h2))
+    return y.reshape(*lead, out_features), _sum_or_empty(h2.reshape(x.shape) if h2 is not None else x, residual)
+
+
+@_normed_qmm_op.register_fake
+def _(x, residual, norm_weight, eps, signs, codes, codes_b, row_scale, quantizer, out_features):
+    h = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else x.new_empty(0)
+    return x.new_empty((*x.shape[:-1], out_features)), h
 
 
 # MoE experts (runtime/experts.py): the kernel reads each slot's member and that member's tensors

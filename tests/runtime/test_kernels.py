@@ -55,9 +55,11 @@ def poison(shape, dtype):
     torch.full(shape, float("nan"), dtype=dtype, device="cuda")
 
 
-def run_fused(ext, name, x2, tensors, rows, pdl=True, signs=None, num_sms=None, gated=False):
+def run_fused(ext, name, x2, tensors, rows, pdl=True, signs=None, num_sms=None, gated=False, norm=None,
+              y_add=None):
     """The fused GEMV straight through the extension (None: it does not take this shape); `num_sms`
-    fewer than the GPU's: fewer CTAs, each owning more row tiles; `gated`: x2 = [gate | up]."""
+    fewer than the GPU's: fewer CTAs, each owning more row tiles; `gated`: x2 = [gate | up]; `norm`
+    = (weight, eps, x_add, h_out) for add + RMSNorm in the prologue; `y_add` added to y."""
     spec = ops.kernel_spec(name)
     a, b = ops.code_tensors(name, tensors)
     poison((x2.shape[0], rows), x2.dtype)
@@ -65,7 +67,8 @@ def run_fused(ext, name, x2, tensors, rows, pdl=True, signs=None, num_sms=None, 
     hk = ops._hadamard_row_masks(k, x2.device) if k > 1 else None
     return ext.gemv(x2, a, b, tensors["row_scale"], ops.lut(name, x2.dtype, x2.device), ext.FAMILY_CODES[spec.family],
                     spec.p0, spec.p1, rows, torch.cuda.current_stream().cuda_stream,
-                    num_sms or torch.cuda.get_device_properties(0).multi_processor_count, pdl, signs, hk, k, gated)
+                    num_sms or torch.cuda.get_device_properties(0).multi_processor_count, pdl, signs, hk, k, gated,
+                    *(norm or (None, 0.0, None, None)), y_add)
 
 
 def one_cta_takes(cols: int) -> bool:
@@ -177,7 +180,7 @@ def test_rotation_fused_into_the_gemv(ext, name, dtype):
                 assert (fused is not None) == expect, (rows, cols)
 
 
-# entries whose GEMV forms the gated input itself (not half-TCQ, words ≤ 12: Pair::GATED_INPUT); the
+# entries whose GEMV forms the gated input itself (not half-TCQ, words ≤ 12: Pair::FORMS_INPUT); the
 # others fall back to the elementwise product + the fused rotation
 @pytest.mark.parametrize("name, fuses", [("tcq-2.0", True), ("tcq-4.0", True), ("nuq-4", True), ("vq-2.0", True),
                                          ("half-tcq-3.25", False), ("nuq-8", False)])
@@ -186,7 +189,7 @@ def test_gated_input_formed_in_the_gemv(ext, name, fuses, dtype):
     """gated_rotated_matmul (silu(gate) ⊙ up, then H(s ⊙ ·), in the GEMV's prologue) against the
     product rounded to the dtype, rotated and multiplied in float32: K = 1 sizes and K·2^m ones
     (14336 = 28·512 over a cluster of 4, 1536 = 12·128), batches 1–9 (9: the dequantize path)."""
-    assert ops.gemv_gates_entry(name) == fuses  # the Python mirror of the kernels' rule
+    assert ops.gemv_forms_input(name) == fuses  # the Python mirror of the kernels' rule
     gen = torch.Generator().manual_seed(12)
     for rows, cols in [(1024, 4096), (256, 128), (64, 14336), (32, 1536)]:
         stored, tensors = random_tensors(name, rows, cols, gen)
@@ -204,6 +207,48 @@ def test_gated_input_formed_in_the_gemv(ext, name, fuses, dtype):
                 assert (fused is not None) == (fuses and one_cta_takes(cols)), (rows, cols)
                 if fused is not None:
                     assert rel_err(fused, ref) <= TOL, (rows, cols, m)
+                    res = torch.randn(m, rows, generator=gen).to(dtype).cuda()  # the epilogue's residual add:
+                    added = run_fused(ext, name, gu, tensors, rows, signs=signs, gated=True, y_add=res)
+                    assert torch.equal(added, fused + res), (rows, cols, m)  # y rounded, + r, rounded again
+            res = torch.randn(m, rows, generator=gen).to(dtype).cuda()
+            y_res = ops.gated_rotated_matmul(gu, signs, name, tensors, (rows, cols), residual=res)
+            assert rel_err(y_res, ref + res.float()) <= TOL, (rows, cols, m)
+
+
+# K = 1 sizes take the norm in the GEMV (one CTA holds the row: 4096 = 16 warps × 2 groups × 128);
+# 1536 (K = 12) and 8192 (two CTAs) fall back to the norm in torch + the fused rotation
+@pytest.mark.parametrize("name, fuses", [("tcq-2.0", True), ("nuq-4", True), ("vq-2.0", True),
+                                         ("half-tcq-3.25", False), ("nuq-8", False)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_and_rms_norm_formed_in_the_gemv(ext, name, fuses, dtype):
+    """normed_rotated_matmul (x + residual, written out; LlamaRMSNorm; H(s ⊙ ·); in the GEMV's
+    prologue) against torch's add and norm in the dtype, rotated and multiplied in float32; with and
+    without the residual, batches 1–9 (9: the dequantize path), large activations (a residual stream)."""
+    gen = torch.Generator().manual_seed(13)
+    for rows, cols in [(1024, 4096), (256, 128), (48, 512), (32, 1536), (64, 8192)]:
+        stored, tensors = random_tensors(name, rows, cols, gen)
+        signs = pack_signs(random_signs(cols, seed=cols)).cuda()
+        w = ops.dequantize(name, stored, (rows, cols))
+        weight = (torch.rand(cols, generator=gen) + 0.5).to(dtype).cuda()
+        takes = fuses and ops.gemv_norms(cols)
+        for m in BATCHES:
+            x = (torch.randn(m, cols, generator=gen) * 20).to(dtype).cuda()
+            res = (torch.randn(m, cols, generator=gen) * 20).to(dtype).cuda()
+            for residual in (None, res):
+                h = x if residual is None else x + residual
+                normed = ops.rms_norm_reference(h, weight, 1e-5)
+                ref = ops.rotate_reference(normed.float(), signs).to(dtype).float() @ w.T
+                poison((m, rows), dtype)
+                y, h_out = ops.normed_rotated_matmul(x, weight, 1e-5, signs, name, tensors, (rows, cols), residual)
+                assert rel_err(y, ref) <= TOL, (rows, cols, m)
+                assert (h_out is None) == (residual is None) and (h_out is None or torch.equal(h_out, h))
+                if m <= ops.FUSED_MAX_ROWS:
+                    h_fused = torch.full_like(x, float("nan")) if residual is not None else None
+                    fused = run_fused(ext, name, x, tensors, rows, signs=signs, norm=(weight, 1e-5, residual, h_fused))
+                    assert (fused is not None) == takes, (rows, cols)
+                    if fused is not None:
+                        assert rel_err(fused, ref) <= TOL, (rows, cols, m)
+                        assert h_fused is None or torch.equal(h_fused, h)
 
 
 def test_every_entry_has_a_kernel(ext):

@@ -214,3 +214,108 @@ def test_gated_mlp_on_the_kernels_equals_its_own_forward(monkeypatch):
         got = mlp(x)
     assert calls == [1]
     assert ((got.float() - own.float()).norm() / own.float().norm()).item() < 1e-2
+
+
+# ---- decoder blocks: residual adds and RMSNorms inside the GEMVs ---------------------------------
+@pytest.fixture(scope="module")
+def tiny_q(tiny_llama_dir, tmp_path_factory):
+    from helpers import run_compress
+
+    out = tmp_path_factory.mktemp("q") / "tcq"
+    run_compress(tiny_llama_dir, out, scheme="tcq-2.0")
+    return out
+
+
+def _count_fused_ops(monkeypatch) -> dict:
+    """Calls of the normed and gated ops (with a residual or not) through the modules."""
+    calls = {"normed": 0, "normed+residual": 0, "gated": 0, "gated+residual": 0}
+    normed, gated = qlinear.ops.normed_rotated_matmul, qlinear.ops.gated_rotated_matmul
+
+    def count(name, op, n_args):  # the residual: the op's last argument (positional or not)
+        def call(*a, **k):
+            residual = k.get("residual", a[n_args] if len(a) > n_args else None)
+            calls[name + ("+residual" if residual is not None else "")] += 1
+            return op(*a, **k)
+        return call
+
+    monkeypatch.setattr(qlinear.ops, "normed_rotated_matmul", count("normed", normed, 7))
+    monkeypatch.setattr(qlinear.ops, "gated_rotated_matmul", count("gated", gated, 5))
+    return calls
+
+
+
+def test_fused_block_computes_the_layers_own_forward(tiny_q, monkeypatch):
+    """Loading installs the fused forward on every decoder layer. On the kernels' path (forced here:
+    the ops' CPU reference runs) a block is two normed ops (the second adding the residual) and one
+    gated op adding the residual, and the logits equal the layers' own forwards'; with gradients
+    enabled the layers run their own way."""
+    from qpalette.runtime.loading import load_model
+
+    model, _ = load_model(tiny_q, "cpu", torch.float32, tokenizer=False)
+    layers = model.model.layers
+    assert all(qlinear.fused_block_parts(b) is not None and "forward" in b.__dict__ for b in layers)
+    assert copy.deepcopy(layers[0]).forward.__self__ is not layers[0]
+    ids = torch.tensor([[5, 17, 200, 3]])
+    with torch.no_grad():
+        own = model(ids).logits  # CPU: the fused path does not apply, the layers' own forwards run
+    monkeypatch.setattr(QuantizedLinear, "takes_gated", lambda self, x: True)
+    monkeypatch.setattr(QuantizedLinear, "takes_normed", lambda self, x, norm: True)
+    calls = _count_fused_ops(monkeypatch)
+    with torch.no_grad():
+        fused = model(ids).logits
+    n = len(layers)
+    assert calls == {"normed": n, "normed+residual": n, "gated": 0, "gated+residual": n}
+    torch.testing.assert_close(fused, own, rtol=1e-4, atol=1e-4)
+    model(ids)  # gradients enabled: no fused op
+    assert calls["normed"] == n
+
+
+def test_blocks_with_other_maths_or_unfused_qkv_keep_their_forward(tiny_q):
+    from qpalette.runtime.loading import load_model
+
+    model, _ = load_model(tiny_q, "cpu", torch.float32, tokenizer=False)
+    layer = model.model.layers[0]
+    qlinear.remove_fused_block(layer)
+    assert "forward" not in layer.__dict__
+    plain = type(layer)
+
+    class Scaled(plain):
+        def forward(self, hidden_states, *args, **kwargs):
+            return 2 * super().forward(hidden_states, *args, **kwargs)
+
+    layer.__class__ = Scaled
+    assert not qlinear.install_fused_block(layer)
+    layer.__class__ = plain
+    assert qlinear.install_fused_block(layer)
+    qlinear.remove_fused_block(layer)
+    layer.self_attn.k_proj = nn.Linear(64, 32)  # q, k, v no longer one group
+    assert qlinear.fused_block_parts(layer) is None and not qlinear.install_fused_block(layer)
+
+
+@pytest.mark.gpu
+def test_fused_block_on_the_kernels_equals_its_own_forward(tiny_llama_dir, tmp_path, monkeypatch):
+    """On CUDA at batch 1 (hidden 256, MLP 512: sizes the GEMV rotates and normalises) every block
+    runs the normed and gated GEMVs for real; the logits match the layers' own forwards (norms,
+    adds and SiLU·mul in torch)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from helpers import run_compress
+    from tiny_llama import make_tiny_llama
+
+    from qpalette.runtime.loading import load_model
+
+    src = make_tiny_llama(tmp_path / "src", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                          num_key_value_heads=2)
+    run_compress(src, tmp_path / "q", scheme="tcq-2.0")
+    model, _ = load_model(tmp_path / "q", "cuda", torch.float16, tokenizer=False)
+    ids = torch.tensor([[5, 17, 200]], device="cuda")
+    calls = _count_fused_ops(monkeypatch)
+    with torch.no_grad():
+        out = model(ids[:, :1], use_cache=True)
+        fused = model(ids[:, 1:2], past_key_values=out.past_key_values).logits.float()
+        assert calls["normed+residual"] == 2 * len(model.model.layers)
+        for b in model.model.layers:
+            qlinear.remove_fused_block(b)
+        out = model(ids[:, :1], use_cache=True)
+        own = model(ids[:, 1:2], past_key_values=out.past_key_values).logits.float()
+    assert ((fused - own).norm() / own.norm()).item() < 1e-2

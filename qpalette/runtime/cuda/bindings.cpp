@@ -51,6 +51,36 @@ qp::Codes codes_of(const at::Tensor& a, const c10::optional<at::Tensor>& b, int6
   return c;
 }
 
+// What the GEMV may form its input from and add to its output: RMSNorm weight (with an optional
+// residual x_add added first, the sum written to h_out) and y_add, each checked against x and y.
+struct InputOutputExtras {
+  const c10::optional<at::Tensor>* norm_w = nullptr;
+  double norm_eps = 0.0;
+  const c10::optional<at::Tensor>* x_add = nullptr;
+  const c10::optional<at::Tensor>* h_out = nullptr;
+  const c10::optional<at::Tensor>* y_add = nullptr;
+
+  static const void* ptr(const c10::optional<at::Tensor>* t, const at::Tensor& like, int64_t m, int64_t n,
+                         const char* what) {
+    if (!t || !t->has_value()) return nullptr;
+    const at::Tensor& v = **t;
+    check_cuda(v, what);
+    TORCH_CHECK(v.scalar_type() == like.scalar_type() && v.is_contiguous() && v.dim() == (m ? 2 : 1) &&
+                    (m ? v.size(0) == m && v.size(1) == n : v.size(0) == n),
+                what, ": contiguous, the activations' dtype and shape");
+    return v.data_ptr();
+  }
+
+  void fill(qp::GemvArgs& a, const at::Tensor& x, int64_t cols, int64_t rows) const {
+    a.norm_w = ptr(norm_w, x, 0, cols, "norm_weight");
+    a.norm_eps = static_cast<float>(norm_eps);
+    a.x_add = ptr(x_add, x, x.size(0), cols, "x_add");
+    a.h_out = const_cast<void*>(ptr(h_out, x, x.size(0), cols, "h_out"));
+    a.y_add = ptr(y_add, x, x.size(0), rows, "y_add");
+    TORCH_CHECK(!a.x_add == !a.h_out && (!a.x_add || a.norm_w), "x_add needs h_out and norm_weight");
+  }
+};
+
 // The launch behind gemv and gemv_experts, into `y`; with the expert tensors, x is the first token
 // row of gemv_experts' x (its stride is the row stride) and y holds every slot.
 at::Tensor launch_gemv(const at::Tensor& x, const at::Tensor& codes_a, const c10::optional<at::Tensor>& codes_b,
@@ -58,7 +88,7 @@ at::Tensor launch_gemv(const at::Tensor& x, const at::Tensor& codes_a, const c10
                        int64_t rows, int64_t stream, int64_t num_sms, bool pdl,
                        const c10::optional<at::Tensor>& signs, const c10::optional<at::Tensor>& hk_neg,
                        int64_t rot_k, bool gated, at::Tensor y, const at::Tensor* experts,
-                       const at::Tensor* members, const at::Tensor* x_rows) {
+                       const at::Tensor* members, const at::Tensor* x_rows, const InputOutputExtras& extras = {}) {
   check_cuda(row_scale, "row_scale");
   check_cuda(lut, "lut");
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 8, "x must be (m ≤ 8, in)");
@@ -86,6 +116,7 @@ at::Tensor launch_gemv(const at::Tensor& x, const at::Tensor& codes_a, const c10
     a.hk_neg = rot_k > 1 ? hk_neg->data_ptr() : nullptr;
     a.rot_k = static_cast<int>(rot_k);
   }
+  extras.fill(a, x, cols, rows);
   a.y = y.data_ptr();
   a.ldy = rows;
   a.row_scale = row_scale.data_ptr();
@@ -107,15 +138,21 @@ at::Tensor launch_gemv(const at::Tensor& x, const at::Tensor& codes_a, const c10
 // H_{cols/K}, `hk_neg` = H_K's rows as 64-bit masks of its −1 entries, rot_k = K); returns an
 // undefined tensor when the GEMV cannot take this shape (the caller then rotates / dequantizes).
 // `gated`: x is (m, 2·in) = [gate | up] and the matmul's input is silu(gate) ⊙ up (signs required).
+// `norm_weight` (signs, K = 1): the input is rmsnorm(x [+ x_add]) ⊙ norm_weight, with x + x_add
+// written to h_out; `y_add` is added to y (both: the decoder block's residual stream).
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& codes_a, const c10::optional<at::Tensor>& codes_b,
                 const at::Tensor& row_scale, const at::Tensor& lut, int64_t family, int64_t p0, int64_t p1,
                 int64_t rows, int64_t stream, int64_t num_sms, bool pdl,
                 const c10::optional<at::Tensor>& signs, const c10::optional<at::Tensor>& hk_neg, int64_t rot_k,
-                bool gated) {
+                bool gated, const c10::optional<at::Tensor>& norm_weight, double norm_eps,
+                const c10::optional<at::Tensor>& x_add, const c10::optional<at::Tensor>& h_out,
+                const c10::optional<at::Tensor>& y_add) {
   check_cuda(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.stride(0) == x.size(1), "x must be contiguous (m, in)");
+  const InputOutputExtras extras{&norm_weight, norm_eps, &x_add, &h_out, &y_add};
   return launch_gemv(x, codes_a, codes_b, row_scale, lut, family, p0, p1, rows, stream, num_sms, pdl, signs,
-                     hk_neg, rot_k, gated, at::empty({x.size(0), rows}, x.options()), nullptr, nullptr, nullptr);
+                     hk_neg, rot_k, gated, at::empty({x.size(0), rows}, x.options()), nullptr, nullptr, nullptr,
+                     extras);
 }
 
 // MoE experts in one launch: y (slots, rows), row v = x[x_rows[v]] · W_{members[v]}ᵀ (zeros where

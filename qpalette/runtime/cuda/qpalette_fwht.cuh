@@ -104,6 +104,53 @@ __device__ __forceinline__ uint4 silu_mul(const uint4& g, const uint4& u) {
   return out;
 }
 
+// a + b of two 16-byte chunks, each sum rounded to T (a residual add, as torch computes it)
+template <class T>
+__device__ __forceinline__ uint4 add_chunks(const uint4& a, const uint4& b) {
+  const T* ae = reinterpret_cast<const T*>(&a);
+  const T* be = reinterpret_cast<const T*>(&b);
+  uint4 out;
+  T* o = reinterpret_cast<T*>(&out);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) o[k] = Cvt<T>::from_float(Cvt<T>::to_float(ae[k]) + Cvt<T>::to_float(be[k]));
+  return out;
+}
+
+// Σ h² of a chunk's 8 elements in fp32
+template <class T>
+__device__ __forceinline__ float sum_squares(const uint4& h) {
+  const T* e = reinterpret_cast<const T*>(&h);
+  float s = 0.f;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) s += Cvt<T>::to_float(e[k]) * Cvt<T>::to_float(e[k]);
+  return s;
+}
+
+// LlamaRMSNorm's arithmetic on a chunk: w ⊙ T(h · r), r = rsqrt(mean h² + eps), rounded to T twice
+template <class T>
+__device__ __forceinline__ uint4 rms_scaled(const uint4& h, const uint4& w, float r) {
+  const T* he = reinterpret_cast<const T*>(&h);
+  const T* we = reinterpret_cast<const T*>(&w);
+  uint4 out;
+  T* o = reinterpret_cast<T*>(&out);
+#pragma unroll
+  for (int k = 0; k < 8; ++k)
+    o[k] = Cvt<T>::from_float(Cvt<T>::to_float(we[k]) * Cvt<T>::to_float(Cvt<T>::from_float(Cvt<T>::to_float(he[k]) * r)));
+  return out;
+}
+
+// v summed over the block, in a fixed order (warp shuffles, then the warps' sums from `part`, one
+// float a warp); every thread calls it, one barrier
+__device__ __forceinline__ float block_sum(float v, float* part) {
+#pragma unroll
+  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float s = 0.f;
+  for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) s += part[w];
+  return s;
+}
+
 // the 8 elements of a 16-byte chunk, sign byte `sb` applied (bit 7 − k set ⇔ element k negated)
 template <class T>
 __device__ __forceinline__ void signed_chunk(const uint4& raw, uint32_t sb, float (&v)[8]) {

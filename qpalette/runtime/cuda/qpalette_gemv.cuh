@@ -21,7 +21,10 @@
 // columns; at batch > 1 with K = 1 a cluster of CTAs splits the rows' transforms and shares them
 // through distributed shared memory (share_rotated_rows). `gated` (with signs): x rows hold a gated
 // MLP's [gate | up] and the staging forms silu(gate) ⊙ up before rotating it, so the down
-// projection follows the gate/up GEMV without an elementwise kernel between them.
+// projection follows the gate/up GEMV without an elementwise kernel between them. `norm_w` (with
+// signs, K = 1, one CTA a cluster): the staging first adds `x_add` (a residual; CTA 0 writes the sum
+// to `h_out`) and applies an RMSNorm (block-wide sum of squares), so a decoder block's add + norm
+// kernel disappears too; `y_add` is added to y as it is written (the residual after down).
 // half-TCQ: segment 0 (codes_a, the first half of the columns) and segment 1 (codes_b) are
 // consecutive ranges of groups; a warp decodes each group with its segment's decoder.
 #pragma once
@@ -97,6 +100,11 @@ struct GemvParams {
   const unsigned long long* hk_neg;  // H_K by rows, bit a of row j set ⇔ H_K[j, a] = −1 (K ≤ 64); nullptr when K = 1
   int rot_k, log2p2;
   int gated;           // with signs: x rows are [gate | up] (2n values) and the input is silu(gate) ⊙ up
+  const char* norm_w;  // with signs, K = 1, cs = rs = 1: x ← rmsnorm(x + x_add) ⊙ norm_w first (n values), or nullptr
+  float norm_eps;
+  const char* x_add;   // with norm_w: (m, n) contiguous, added before the norm, or nullptr
+  char* h_out;         // with x_add: x + x_add, (m, n), written by CTA 0
+  const char* y_add;   // (m, ldy) added to y as it is written, or nullptr
   float rot_scale;     // 1/√n
   // expert launch (GemvArgs): blockIdx.y = slot v, y row v ← x row x_rows[v] · W_{members[v]}ᵀ
   const long long* experts;  // (members, 4): codes_a, codes_b, row_scale, signs addresses; nullptr: one matrix
@@ -176,7 +184,8 @@ struct Pair {
   // batch > 1 may split the fused rotation over a cluster (share_rotated_rows); not half-TCQ and
   // the widest words, whose registers would spill with it
   static constexpr bool SHARE_ROTATION = !TWO && WMAX <= 12;
-  static constexpr bool GATED_INPUT = SHARE_ROTATION;  // the gated staging: the same registers to spare
+  // the staging that forms its input (silu(gate) ⊙ up, add + RMSNorm): the same registers to spare
+  static constexpr bool FORMS_INPUT = SHARE_ROTATION;
   static_assert(DA::L::WORDS == DB::L::WORDS && DA::L::C == DB::L::C, "the two halves share one table");
 };
 
@@ -187,7 +196,8 @@ __host__ __device__ constexpr size_t xs_bytes(int cgc, int m) { return size_t(m)
 // cluster barrier (not one a round)
 constexpr int MAX_FLUSH_ROUNDS = 4;
 __host__ __device__ constexpr size_t cpart_bytes(int rr, int cs, int fr) { return cs > 1 ? size_t(fr) * rr * cs * 32 * 16 : 0; }
-__host__ __device__ constexpr size_t rot_bytes(int n) { return size_t(2) * n * 4; }  // z, double buffered
+// z (double buffered) and the RMSNorm's per-warp sums (double buffered)
+__host__ __device__ constexpr size_t rot_bytes(int n) { return n ? (size_t(2) * n + 2 * MAX_WARPS) * 4 : 0; }
 template <class L>
 __host__ __device__ constexpr size_t gemv_smem(int rr, int nw, int cgc, int cs, int fr, int m, int rot_n) {
   return size_t(L::WORDS) * 4 + (red_bytes(rr, nw) > xs_bytes(cgc, m) ? red_bytes(rr, nw) : xs_bytes(cgc, m)) +
@@ -289,11 +299,26 @@ __device__ __forceinline__ void stage_signed_row(const GemvParams& p, int row, T
   }
 }
 
+// K = 1 with p.norm_w (the CTA holds the whole row: cs = rs = 1): chunk c of this row of
+// rmsnorm(x + x_add) ⊙ norm_w from x's chunk `in`, x_add's `res` and norm_w's `wn`; CTA 0 writes
+// x + x_add to h_out. Every thread calls it (block_sum: one barrier; `part` alternates by row).
+template <class T>
+__device__ __forceinline__ uint4 normed_chunk(const GemvParams& p, uint4 in, const uint4& res, const uint4& wn, int row,
+                                              int c, bool active, float* part) {
+  if (p.x_add && active) {
+    in = add_chunks<T>(in, res);
+    if (blockIdx.x == 0) reinterpret_cast<uint4*>(reinterpret_cast<T*>(p.h_out) + (row << p.log2p2))[c] = in;
+  }
+  const float ss = block_sum(active ? sum_squares<T>(in) : 0.f, part);
+  return rms_scaled<T>(in, wn, rsqrtf(ss / static_cast<float>(1 << p.log2p2) + p.norm_eps));
+}
+
 // SHARE (kernels that may run in a rotation cluster, p.rs > 1: batch > 1, K = 1, no K split): CTA
 // `rrank` of the cluster transforms rows rrank, rrank + rs, … only, and share_rotated_rows gives
 // every CTA the others'. Without SHARE the loop is the plain one (more registers spill otherwise).
-// GATED (Pair::GATED_INPUT): the kernel may form silu(gate) ⊙ up as it loads (p.gated).
-template <class T, bool SHARE, bool GATED>
+// FORMS (Pair::FORMS_INPUT): the kernel may form silu(gate) ⊙ up (p.gated) or add + RMSNorm
+// (p.norm_w) as it loads.
+template <class T, bool SHARE, bool FORMS>
 __device__ __forceinline__ void stage_x_rotated(const GemvParams& p, uint32_t* xs, float* z, int rank,
                                                 uint64_t hneg, int rrank) {
   const int ccols = p.cgc * 128, xsw = p.cgc * 64 + 4, cpt = (1 << p.log2p2) / 8;
@@ -303,17 +328,27 @@ __device__ __forceinline__ void stage_x_rotated(const GemvParams& p, uint32_t* x
   int done = 0;  // rows transformed so far: z's half for K = 1 alternates with it
   for (int row = SHARE ? rrank : 0; row < p.m; row += SHARE ? p.rs : 1) {
     float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    if (p.rot_k == 1) {
-      if (active) {
-        const int c = (jj << p.log2p2) / 8 + t;
+    if (p.rot_k == 1) {  // K = 1: n = 2^m
+      const int c = (jj << p.log2p2) / 8 + t;
+      const uint4 zero = make_uint4(0, 0, 0, 0);
+      uint4 in = zero, other = zero, wn = zero;  // other: up (gated) or the residual (norm)
+      uint32_t sb = 0;
+      if (active) {  // every load in flight at once
         const uint4* xr = reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(p.x) + row * p.ldx);
-        uint4 in = __ldg(xr + c);
-        if (GATED && p.gated) in = silu_mul<T>(in, __ldg(xr + (1 << p.log2p2) / 8 + c));  // K = 1: n = 2^m
-        signed_chunk<T>(in, __ldg(p.signs + c), v);
+        in = __ldg(xr + c);
+        sb = __ldg(p.signs + c);
+        if (FORMS && p.gated) other = __ldg(xr + (1 << p.log2p2) / 8 + c);
+        if (FORMS && p.norm_w) {
+          wn = __ldg(reinterpret_cast<const uint4*>(p.norm_w) + c);
+          if (p.x_add) other = __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(p.x_add) + (row << p.log2p2)) + c);
+        }
+        if (FORMS && p.gated) in = silu_mul<T>(in, other);
       }
+      if (FORMS && p.norm_w) in = normed_chunk<T>(p, in, other, wn, row, c, active, z + 2 * ccols + (row & 1) * MAX_WARPS);
+      if (active) signed_chunk<T>(in, sb, v);
     } else {
       if (row > 0) __syncthreads();  // the last row's transform has read z
-      if (GATED && p.gated) stage_signed_row<T, 4, GATED>(p, row, reinterpret_cast<T*>(z));
+      if (FORMS && p.gated) stage_signed_row<T, 4, FORMS>(p, row, reinterpret_cast<T*>(z));
       else stage_signed_row<T, 8, false>(p, row, reinterpret_cast<T*>(z));
       __syncthreads();
       if (active)
@@ -363,14 +398,20 @@ __device__ __forceinline__ int split_point(int cl, int rt, int ncl) {
 template <class T>
 __device__ __forceinline__ void store_y(const GemvParams& p, int row, const float4& s, int lane) {
   T* y = reinterpret_cast<T*>(p.y);
+  const T* ya = reinterpret_cast<const T*>(p.y_add);
+  auto put = [&](long long i, float v) {  // with y_add: rounded, then added and rounded again (torch's y + r)
+    T o = Act<T>::from_float(v);
+    if (ya) o = Act<T>::from_float(Act<T>::to_float(o) + Act<T>::to_float(ya[i]));
+    y[i] = o;
+  };
   const int ra = row * 16 + (lane >> 2), rb = ra + 8, n0 = 2 * (lane & 3), n1 = n0 + 1;
   if (n0 < p.m) {
-    y[n0 * p.ldy + ra] = Act<T>::from_float(s.x);
-    y[n0 * p.ldy + rb] = Act<T>::from_float(s.z);
+    put(n0 * p.ldy + ra, s.x);
+    put(n0 * p.ldy + rb, s.z);
   }
   if (n1 < p.m) {
-    y[n1 * p.ldy + ra] = Act<T>::from_float(s.y);
-    y[n1 * p.ldy + rb] = Act<T>::from_float(s.w);
+    put(n1 * p.ldy + ra, s.y);
+    put(n1 * p.ldy + rb, s.w);
   }
 }
 
@@ -459,10 +500,10 @@ __device__ __forceinline__ void gemv_body(const GemvParams& p) {
   if (p.signs) {
     if constexpr (PR::SHARE_ROTATION) {
       const int rrank = p.rs > 1 ? cluster_rank() : 0;
-      stage_x_rotated<T, true, PR::GATED_INPUT>(p, xs, rot, rank, hneg, rrank);
+      stage_x_rotated<T, true, PR::FORMS_INPUT>(p, xs, rot, rank, hneg, rrank);
       if (p.rs > 1) share_rotated_rows(p, xs, rrank);
     } else {
-      stage_x_rotated<T, false, PR::GATED_INPUT>(p, xs, rot, rank, hneg, 0);
+      stage_x_rotated<T, false, PR::FORMS_INPUT>(p, xs, rot, rank, hneg, 0);
     }
   } else {
     stage_x<T>(p, xs, rank);
@@ -717,7 +758,10 @@ int launch_gemv(const GemvArgs& a) {
   size_t smem = 0;
   const bool rotate = a.signs != nullptr;
   const int p2 = rotate ? a.cols / a.rot_k : 0;
-  if (a.gated && (!rotate || a.members || !PR::GATED_INPUT)) return UNSUPPORTED;
+  const bool norm = a.norm_w != nullptr;
+  if (a.gated && (!rotate || a.members || !PR::FORMS_INPUT || norm)) return UNSUPPORTED;
+  if (norm && (!rotate || a.rot_k != 1 || a.members || !PR::FORMS_INPUT)) return UNSUPPORTED;
+  if ((a.x_add != nullptr) != (a.h_out != nullptr) || (a.x_add && !norm) || (a.y_add && a.members)) return UNSUPPORTED;
   if (rotate && (p2 * a.rot_k != a.cols || a.rot_k > 64 || p2 < 8 || p2 > 4096 || (p2 & (p2 - 1)) != 0 || gtot * 128 != a.cols ||
                  (a.rot_k > 1) != (a.hk_neg != nullptr)))
     return UNSUPPORTED;
@@ -728,6 +772,7 @@ int launch_gemv(const GemvArgs& a) {
     const int g = (gtot + c - 1) / c, w = std::max((g + NG - 1) / NG, static_cast<int>(PR::RR));
     if (rotate && (g * c != gtot || (g * 128) % p2 != 0)) continue;  // every CTA: whole segments
     if (rotate && a.rot_k > 1 && c > 4) continue;  // the signed row staged in z: 2·cols ≤ 8·cols/c bytes
+    if (norm && c > 1) break;  // the norm's sum of squares: the whole row in one CTA
     for (int f = c > 1 ? MAX_FLUSH_ROUNDS : 1; f >= 1 && cs == 0; f /= 2) {
       const size_t s = gemv_smem<L>(PR::RR, w, g, c, f, a.m, rotate ? g * 128 : 0);
       if (w <= MAX_WARPS && s <= static_cast<size_t>(dev.smem_optin)) cs = c, nw = w, cgc = g, fr = f, smem = s;
@@ -738,7 +783,7 @@ int launch_gemv(const GemvArgs& a) {
   // batch > 1 with the rotation fused, K = 1 and no K split: a cluster of the next power of two ≥ m
   // CTAs (≤ 8) splits the rows' transforms (share_rotated_rows)
   int rs = 1;
-  if (PR::SHARE_ROTATION && rotate && a.rot_k == 1 && cs == 1 && a.m > 1 && !a.members && dev.major >= 9)
+  if (PR::SHARE_ROTATION && rotate && a.rot_k == 1 && cs == 1 && a.m > 1 && !a.members && !norm && dev.major >= 9)
     while (rs < a.m && rs < MAX_ROTATION_CLUSTER) rs *= 2;
   static bool attr_set[64];
   if (!attr_set[dev.index]) {
@@ -792,6 +837,11 @@ int launch_gemv(const GemvArgs& a) {
   p.hk_neg = static_cast<const unsigned long long*>(a.hk_neg);
   p.rot_k = a.rot_k;
   p.gated = a.gated;
+  p.norm_w = static_cast<const char*>(a.norm_w);
+  p.norm_eps = a.norm_eps;
+  p.x_add = static_cast<const char*>(a.x_add);
+  p.h_out = static_cast<char*>(a.h_out);
+  p.y_add = static_cast<const char*>(a.y_add);
   p.log2p2 = rotate ? __builtin_ctz(p2) : 0;
   p.rot_scale = rotate ? 1.0f / sqrtf(static_cast<float>(a.cols)) : 1.0f;
   p.experts = static_cast<const long long*>(a.experts);

@@ -30,6 +30,14 @@ struct GemvArgs {
                           // nullptr when K = 1
   int rot_k;              // K ≤ 64
   int gated;              // x rows hold [gate | up] (2·cols values): the input is silu(gate) ⊙ up (needs signs)
+  // add + RMSNorm in the prologue (needs signs, K = 1, the row in one CTA, else UNSUPPORTED): the
+  // input is rmsnorm(x + x_add) ⊙ norm_w (LlamaRMSNorm's rounding), x + x_add written to h_out;
+  // x_add, h_out: (m, cols) contiguous or both nullptr; norm_w (cols,) in dtype or nullptr
+  const void* norm_w;
+  float norm_eps;
+  const void* x_add;
+  void* h_out;
+  const void* y_add;      // (m, ldy) in dtype added to y (a residual after the matmul), or nullptr
   long long ldx;
   void* y;                // output (m, ldy) in dtype
   long long ldy;
