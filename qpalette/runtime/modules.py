@@ -187,11 +187,10 @@ class QuantizedLinear(_CallCache, _KeepsFp16):
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def takes_gated(self, x: torch.Tensor) -> bool:
-        """Whether `gated_forward` suits activations like x: the kernels' GEMV (≤ 8 rows), an input
-        size whose rotation the GEMV or the rotation kernel can form, an entry whose GEMV forms its
-        input itself (where it rotates: batch 1 by default)."""
+        """Whether `gated_forward` suits activations like x: the kernels' path with the rotation in
+        the GEMV, for an entry whose GEMV forms its input itself."""
         rows = x.numel() // x.shape[-1]
-        return (ops.uses_kernels(x) and rows <= ops.FUSED_MAX_ROWS and ops.gemv_rotates(self.in_features)
+        return (ops.uses_kernels(x) and ops.fuses_rotation(self.in_features, rows)
                 and ops.gemv_forms_input(self.quantizer.name))
 
     def gated_forward(self, gu: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -494,10 +493,9 @@ def install_fused_block(layer: nn.Module) -> bool:
     nothing else) a forward in which the GEMVs do the block's elementwise work: q/k/v's prologue
     applies the input RMSNorm, gate/up's adds the attention output to the residual and applies
     the second RMSNorm, down's epilogue adds the residual (with silu(gate) ⊙ up in its prologue,
-    `install_gated_mlp`). At batch 1 a block is then GEMVs, rope and attention only; at batch 2–8
-    the rotation kernels before q/k/v, gate/up and down form those inputs instead (the GEMVs then
-    rotate nothing). Calls off that path (CPU, more than 8 rows, entries or sizes the kernels cannot
-    take, gradients, positional arguments) run the layer's own forward. The norms' and the MLP's own forwards (and their hooks) are skipped
+    `install_gated_mlp`). At batch 1 a block is then GEMVs, rope and attention only. Calls off that
+    path (CPU, batch > 1, entries or sizes the GEMV cannot take, gradients, positional arguments)
+    run the layer's own forward. The norms' and the MLP's own forwards (and their hooks) are skipped
     on that path. A bound method: a deep copy calls its own modules."""
     if fused_block_parts(layer) is None or not _plain_block(layer):
         return False

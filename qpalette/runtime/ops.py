@@ -386,20 +386,15 @@ def _rotate_cuda(x, signs):
     n = x.shape[-1]
     if not (_kernel_dtype(x) and _kernels_ok() and _hadamard_ok(n)):
         return rotate_reference(x, signs)
-    return _hadamard_kernel(x.reshape(-1, n).contiguous(), signs).reshape(x.shape)
-
-
-def _hadamard_kernel(x2, signs, gated=False, norm=None):
-    """H(s ⊙ input) of the rows of x2 on the Hadamard kernel, the input formed first (`gated`,
-    `norm` as in _qmm_kernels); None where the kernel cannot form it for this size."""
-    n = x2.shape[1] // 2 if gated else x2.shape[1]
     k, p2 = decompose(n)
-    dev = x2.device
+    x2 = x.reshape(-1, n).contiguous()
+    dev = x.device
     hk = _hadamard_factor(k, dev) if k > 1 else None
-    nw, eps, res, h_out = norm or (None, 0.0, None, None)
     with torch.cuda.device(dev):
-        return kernel_build.extension(dev).hadamard(x2, signs.contiguous(), hk, k, p2, _stream(dev), _num_sms(dev),
-                                                    _pdl_on(dev), None, gated, nw, eps, res, h_out)
+        y = kernel_build.extension(dev).hadamard(
+            x2, signs.contiguous(), hk, k, p2, _stream(dev), _num_sms(dev), _pdl_on(dev), None
+        )
+    return y.reshape(x.shape)
 
 
 @_rotate_op.register_fake
@@ -460,16 +455,9 @@ def _qmm_kernels(x2, codes, codes_b, row_scale, quantizer, out_features, signs=N
     """y = x2 · W_rᵀ on the kernels; with `signs`, x2 is rotated first (in the GEMV when it can);
     `gated`: x2 = [gate | up] and the input is silu(gate) ⊙ up; `norm` = (weight, eps, residual,
     h_out): the input is rms_norm_reference(x2 + residual) with the sum written to h_out (residual
-    and h_out may be None); `y_add` (rows, out) is added to y. Where the GEMV rotates x2 itself
-    (`fuses_rotation`) it does each of these too; elsewhere the rotation kernel forms the input and
-    the GEMV adds y_add; what neither can take, torch does around the plain path."""
+    and h_out may be None); `y_add` (rows, out) is added to y. The GEMV does each of these itself
+    when it can; otherwise torch does them around the plain path."""
     dev = x2.device
-    if signs is not None and (gated or norm is not None):
-        n_in = x2.shape[1] // 2 if gated else x2.shape[1]
-        if not fuses_rotation(n_in, x2.shape[0]):  # the rotation kernel forms the input, then the GEMV
-            xr = _hadamard_kernel(x2, signs, gated, norm) if _hadamard_ok(n_in) else None
-            if xr is not None:
-                return _qmm_kernels(xr, codes, codes_b, row_scale, quantizer, out_features, y_add=y_add)
     spec = kernel_spec(quantizer)
     table = lut(quantizer, x2.dtype, dev)
     ext = kernel_build.extension(dev)

@@ -308,18 +308,14 @@ def test_fused_block_on_the_kernels_equals_its_own_forward(tiny_llama_dir, tmp_p
                           num_key_value_heads=2)
     run_compress(src, tmp_path / "q", scheme="tcq-2.0")
     model, _ = load_model(tmp_path / "q", "cuda", torch.float16, tokenizer=False)
-    ids = torch.tensor([[5, 17, 200], [9, 1, 33], [250, 4, 4]], device="cuda")
+    ids = torch.tensor([[5, 17, 200]], device="cuda")
     calls = _count_fused_ops(monkeypatch)
-
-    def decode_step(batch: int) -> torch.Tensor:  # the prompt (own forward: > 8 rows or not) and one token
-        out = model(ids[:batch, :2], use_cache=True)
-        return model(ids[:batch, 2:3], past_key_values=out.past_key_values).logits.float()
-
     with torch.no_grad():
-        fused = [decode_step(b) for b in (1, 3)]  # 3: the rotation kernels form the inputs
-        assert calls["normed+residual"] >= 2 * len(model.model.layers)
+        out = model(ids[:, :1], use_cache=True)
+        fused = model(ids[:, 1:2], past_key_values=out.past_key_values).logits.float()
+        assert calls["normed+residual"] == 2 * len(model.model.layers)
         for b in model.model.layers:
             qlinear.remove_fused_block(b)
-        own = [decode_step(b) for b in (1, 3)]
-    for f, o in zip(fused, own):
-        assert ((f - o).norm() / o.norm()).item() < 1e-2
+        out = model(ids[:, :1], use_cache=True)
+        own = model(ids[:, 1:2], past_key_values=out.past_key_values).logits.float()
+    assert ((fused - own).norm() / own.norm()).item() < 1e-2

@@ -51,33 +51,35 @@ qp::Codes codes_of(const at::Tensor& a, const c10::optional<at::Tensor>& b, int6
   return c;
 }
 
-// An optional tensor's address after checking it is a contiguous CUDA tensor of like's dtype and
-// the shape (m, n) (m = 0: (n,)); nullptr when absent.
-const void* checked_ptr(const c10::optional<at::Tensor>& t, const at::Tensor& like, int64_t m, int64_t n,
-                        const char* what) {
-  if (!t.has_value()) return nullptr;
-  const at::Tensor& v = *t;
-  check_cuda(v, what);
-  TORCH_CHECK(v.scalar_type() == like.scalar_type() && v.is_contiguous() && v.dim() == (m ? 2 : 1) &&
-                  (m ? v.size(0) == m && v.size(1) == n : v.size(0) == n),
-              what, ": contiguous, the activations' dtype and shape");
-  return v.data_ptr();
-}
+// What the GEMV may form its input from and add to its output: RMSNorm weight (with an optional
+// residual x_add added first, the sum written to h_out) and y_add, each checked against x and y.
+struct InputOutputExtras {
+  const c10::optional<at::Tensor>* norm_w = nullptr;
+  double norm_eps = 0.0;
+  const c10::optional<at::Tensor>* x_add = nullptr;
+  const c10::optional<at::Tensor>* h_out = nullptr;
+  const c10::optional<at::Tensor>* y_add = nullptr;
 
-// qp::InputForm for x's rows (n values each once formed) from the optional tensors
-qp::InputForm input_form(const at::Tensor& x, int64_t n, bool gated, const c10::optional<at::Tensor>& norm_weight,
-                         double norm_eps, const c10::optional<at::Tensor>& x_add,
-                         const c10::optional<at::Tensor>& h_out) {
-  qp::InputForm f;
-  TORCH_CHECK(!gated || x.size(1) == 2 * n, "gated input: [gate | up] rows");
-  f.gated = gated ? 1 : 0;
-  f.norm_w = checked_ptr(norm_weight, x, 0, n, "norm_weight");
-  f.norm_eps = static_cast<float>(norm_eps);
-  f.x_add = checked_ptr(x_add, x, x.size(0), n, "x_add");
-  f.h_out = const_cast<void*>(checked_ptr(h_out, x, x.size(0), n, "h_out"));
-  TORCH_CHECK(!f.x_add == !f.h_out && (!f.x_add || f.norm_w), "x_add needs h_out and norm_weight");
-  return f;
-}
+  static const void* ptr(const c10::optional<at::Tensor>* t, const at::Tensor& like, int64_t m, int64_t n,
+                         const char* what) {
+    if (!t || !t->has_value()) return nullptr;
+    const at::Tensor& v = **t;
+    check_cuda(v, what);
+    TORCH_CHECK(v.scalar_type() == like.scalar_type() && v.is_contiguous() && v.dim() == (m ? 2 : 1) &&
+                    (m ? v.size(0) == m && v.size(1) == n : v.size(0) == n),
+                what, ": contiguous, the activations' dtype and shape");
+    return v.data_ptr();
+  }
+
+  void fill(qp::GemvArgs& a, const at::Tensor& x, int64_t cols, int64_t rows) const {
+    a.norm_w = ptr(norm_w, x, 0, cols, "norm_weight");
+    a.norm_eps = static_cast<float>(norm_eps);
+    a.x_add = ptr(x_add, x, x.size(0), cols, "x_add");
+    a.h_out = const_cast<void*>(ptr(h_out, x, x.size(0), cols, "h_out"));
+    a.y_add = ptr(y_add, x, x.size(0), rows, "y_add");
+    TORCH_CHECK(!a.x_add == !a.h_out && (!a.x_add || a.norm_w), "x_add needs h_out and norm_weight");
+  }
+};
 
 // The launch behind gemv and gemv_experts, into `y`; with the expert tensors, x is the first token
 // row of gemv_experts' x (its stride is the row stride) and y holds every slot.
@@ -85,9 +87,8 @@ at::Tensor launch_gemv(const at::Tensor& x, const at::Tensor& codes_a, const c10
                        const at::Tensor& row_scale, const at::Tensor& lut, int64_t family, int64_t p0, int64_t p1,
                        int64_t rows, int64_t stream, int64_t num_sms, bool pdl,
                        const c10::optional<at::Tensor>& signs, const c10::optional<at::Tensor>& hk_neg,
-                       int64_t rot_k, at::Tensor y, const at::Tensor* experts,
-                       const at::Tensor* members, const at::Tensor* x_rows, const qp::InputForm& form = {},
-                       const c10::optional<at::Tensor>& y_add = c10::nullopt) {
+                       int64_t rot_k, bool gated, at::Tensor y, const at::Tensor* experts,
+                       const at::Tensor* members, const at::Tensor* x_rows, const InputOutputExtras& extras = {}) {
   check_cuda(row_scale, "row_scale");
   check_cuda(lut, "lut");
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 8, "x must be (m ≤ 8, in)");
@@ -99,9 +100,9 @@ at::Tensor launch_gemv(const at::Tensor& x, const at::Tensor& codes_a, const c10
     a.x_rows = x_rows->data_ptr();
     a.slots = static_cast<int>(members->size(0));
   }
-  TORCH_CHECK(!form.gated || signs.has_value(), "a gated input needs signs");
-  const int64_t cols = form.gated ? x.size(1) / 2 : x.size(1);
-  a.form = form;
+  TORCH_CHECK(!gated || (signs.has_value() && x.size(1) % 2 == 0), "gated input: [gate | up] rows and signs");
+  const int64_t cols = gated ? x.size(1) / 2 : x.size(1);
+  a.gated = gated ? 1 : 0;
   a.codes = codes_of(codes_a, codes_b, family, rows, cols);
   a.x = x.data_ptr();
   a.ldx = x.stride(0);
@@ -115,7 +116,7 @@ at::Tensor launch_gemv(const at::Tensor& x, const at::Tensor& codes_a, const c10
     a.hk_neg = rot_k > 1 ? hk_neg->data_ptr() : nullptr;
     a.rot_k = static_cast<int>(rot_k);
   }
-  a.y_add = checked_ptr(y_add, x, x.size(0), rows, "y_add");
+  extras.fill(a, x, cols, rows);
   a.y = y.data_ptr();
   a.ldy = rows;
   a.row_scale = row_scale.data_ptr();
@@ -148,10 +149,10 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& codes_a, const c10::optio
                 const c10::optional<at::Tensor>& y_add) {
   check_cuda(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.stride(0) == x.size(1), "x must be contiguous (m, in)");
-  const auto form = input_form(x, gated ? x.size(1) / 2 : x.size(1), gated, norm_weight, norm_eps, x_add, h_out);
+  const InputOutputExtras extras{&norm_weight, norm_eps, &x_add, &h_out, &y_add};
   return launch_gemv(x, codes_a, codes_b, row_scale, lut, family, p0, p1, rows, stream, num_sms, pdl, signs,
-                     hk_neg, rot_k, at::empty({x.size(0), rows}, x.options()), nullptr, nullptr, nullptr, form,
-                     y_add);
+                     hk_neg, rot_k, gated, at::empty({x.size(0), rows}, x.options()), nullptr, nullptr, nullptr,
+                     extras);
 }
 
 // MoE experts in one launch: y (slots, rows), row v = x[x_rows[v]] · W_{members[v]}ᵀ (zeros where
@@ -175,7 +176,7 @@ at::Tensor gemv_experts(const at::Tensor& x, const at::Tensor& x_rows, const at:
   auto y = at::empty({slots, rows}, x.options());
   if (slots == 0) return y;
   auto one = launch_gemv(x.narrow(0, 0, 1), codes_a, codes_b, row_scale, lut, family, p0, p1, rows, stream,
-                         num_sms, pdl, signs, hk_neg, rot_k, y, &experts, &members, &x_rows);
+                         num_sms, pdl, signs, hk_neg, rot_k, false, y, &experts, &members, &x_rows);
   return one.defined() ? y : one;
 }
 
@@ -200,27 +201,23 @@ at::Tensor dequant(const at::Tensor& codes_a, const c10::optional<at::Tensor>& c
   return w;
 }
 
-// `gated` (x: (rows, 2n) = [gate | up]), `norm_weight` (+ x_add, h_out): the input formed first
-// (qp::InputForm); undefined result when the kernel cannot form it for this shape.
 at::Tensor hadamard(const at::Tensor& x, const at::Tensor& signs, const c10::optional<at::Tensor>& hk,
                     int64_t k, int64_t p2, int64_t stream, int64_t num_sms, bool pdl,
-                    const c10::optional<at::Tensor>& out, bool gated, const c10::optional<at::Tensor>& norm_weight,
-                    double norm_eps, const c10::optional<at::Tensor>& x_add, const c10::optional<at::Tensor>& h_out) {
+                    const c10::optional<at::Tensor>& out) {
   check_cuda(x, "x");
   check_cuda(signs, "signs");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be contiguous (rows, n)");
-  const int64_t n = gated ? x.size(1) / 2 : x.size(1);
+  TORCH_CHECK(x.dim() == 2, "x must be (rows, n)");
+  const int n = static_cast<int>(x.size(1));
   TORCH_CHECK(signs.scalar_type() == at::kByte && signs.numel() * 8 == n, "signs must be uint8 (n/8,)");
   TORCH_CHECK(k == 1 || (hk.has_value() && hk->numel() == k * k), "H_K missing");
-  const auto form = input_form(x, n, gated, norm_weight, norm_eps, x_add, h_out);
-  auto y = out.has_value() ? *out : at::empty({x.size(0), n}, x.options());
-  TORCH_CHECK(y.is_contiguous() && y.size(0) == x.size(0) && y.size(1) == n && y.scalar_type() == x.scalar_type(),
-              "out must be a contiguous (rows, n) tensor of x's dtype");
+  auto y = out.has_value() ? *out : at::empty_like(x);
+  TORCH_CHECK(y.is_contiguous() && y.sizes() == x.sizes() && y.scalar_type() == x.scalar_type(),
+              "out must be a contiguous tensor like x");
   const int rc = qp::hadamard(x.data_ptr(), y.data_ptr(), signs.data_ptr<uint8_t>(),
-                              k > 1 ? hk->data_ptr<int8_t>() : nullptr, static_cast<int>(x.size(0)),
-                              static_cast<int>(n), static_cast<int>(k), static_cast<int>(p2), dtype_code(x),
-                              static_cast<int>(num_sms), pdl ? 1 : 0, reinterpret_cast<void*>(stream), form);
-  if (rc == qp::UNSUPPORTED) return at::Tensor();
+                              k > 1 ? hk->data_ptr<int8_t>() : nullptr, static_cast<int>(x.size(0)), n,
+                              static_cast<int>(k), static_cast<int>(p2), dtype_code(x),
+                              static_cast<int>(num_sms), pdl ? 1 : 0,
+                              reinterpret_cast<void*>(stream));
   check(rc, "qpalette Hadamard transform");
   return y;
 }

@@ -13,10 +13,6 @@
 // row, sign-flipped, goes to shared memory in fp32; the 2^m-point butterflies run on each of the K segments; then
 // each block writes its slice of the K outputs of every column b.
 //
-// hadamard_rows_kernel may also form its input (qp::InputForm): silu(gate) ⊙ up as it loads each
-// chunk, or (K = 1, the row in one block) x + x_add, written out, then an RMSNorm; at batch > 1
-// that replaces the elementwise kernels before the rotation (the GEMV then follows the rotation).
-//
 // Both read x only after `griddepcontrol.wait` and let the next kernel start its prologue at once
 // (programmatic dependent launch on Hopper): the GEMV that consumes y fetches its table and first
 // codes while the rotation runs.
@@ -149,43 +145,21 @@ constexpr int ROWS_THREADS = 512;
 // Block = S slices × C threads (C = max(32, 2^m/8)): thread (s, t) sums segments a ≡ s (mod S) of
 // chunk t, so a thread has few loads in flight even for K = 28; slice 0 adds the S partial sums
 // in a fixed order (deterministic) and runs the 2^m-point transform.
-// K = 1 with f.norm_w (one slice: the block holds the row): thread t's chunk of s ⊙ (rmsnorm(x + x_add)
-// ⊙ norm_w), x + x_add written to h_out
-template <class T>
-__device__ __forceinline__ void normed_signed_chunk(const T* xr, const uint8_t* signs, const InputForm& f, long long row,
-                                                    int n, int t, float* part, float (&v)[8]) {
-  const bool active = t < n / 8;
-  const uint4 zero = make_uint4(0, 0, 0, 0);
-  uint4 in = zero, res = zero, w = zero;
-  uint32_t sb = 0;
-  if (active) {
-    in = __ldg(reinterpret_cast<const uint4*>(xr) + t);
-    sb = __ldg(signs + t);
-    w = __ldg(reinterpret_cast<const uint4*>(f.norm_w) + t);
-    if (f.x_add) res = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(f.x_add) + row * n) + t);
-  }
-  uint4* h = f.x_add ? reinterpret_cast<uint4*>(static_cast<T*>(f.h_out) + row * n) + t : nullptr;
-  in = add_rms_norm_chunk<T>(in, res, w, f.x_add != nullptr, h, active, n, f.norm_eps, part);
-  if (active) signed_chunk<T>(in, sb, v);
-}
-
 template <class T>
 __global__ void __launch_bounds__(ROWS_THREADS) hadamard_rows_kernel(const T* __restrict__ x, T* __restrict__ y,
                                                                     const uint8_t* __restrict__ signs,
                                                                     const int8_t* __restrict__ hk, int n, int k,
-                                                                    int log2p2, int chunk_threads, float scale,
-                                                                    const InputForm f) {
+                                                                    int log2p2, int chunk_threads, float scale) {
   __shared__ __align__(16) float z[ROWS_MAX_P2];
   __shared__ __align__(16) float4 part[2 * ROWS_THREADS];
   pdl_launch_dependents();
   const int seg = blockIdx.x, p2 = 1 << log2p2, slices = blockDim.x / chunk_threads;
   const int s = threadIdx.x / chunk_threads, t = threadIdx.x - s * chunk_threads;
   const long long row = blockIdx.y;
-  const T* xr = x + row * (f.gated ? 2 * n : n);
+  const T* xr = x + row * n;
   float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   pdl_wait();
-  if (f.norm_w) normed_signed_chunk<T>(xr, signs, f, row, n, t, reinterpret_cast<float*>(part), v);
-  else if (t < p2 / 8) mix_segments<T>(v, xr, signs, hk, k, log2p2, seg, t, s, slices, f.gated ? n / 8 : 0);
+  if (t < p2 / 8) mix_segments<T>(v, xr, signs, hk, k, log2p2, seg, t, s, slices);
   if (slices > 1) {
     part[2 * threadIdx.x] = make_float4(v[0], v[1], v[2], v[3]);
     part[2 * threadIdx.x + 1] = make_float4(v[4], v[5], v[6], v[7]);
@@ -221,9 +195,7 @@ int launch_pdl(K kern, dim3 grid, dim3 block, size_t smem, void* stream, bool pd
 
 template <class T>
 int launch(const void* x, void* y, const uint8_t* signs, const int8_t* hk, int rows, int n, int k,
-           int p2, int num_sms, bool pdl, void* stream, const InputForm& f) {
-  const bool forms = f.gated || f.norm_w;
-  if ((f.norm_w && (k != 1 || f.gated)) || (!f.x_add != !f.h_out) || (f.x_add && !f.norm_w)) return UNSUPPORTED;
+           int p2, int num_sms, bool pdl, void* stream) {
   if (rows == 0) return 0;
   const float scale = rsqrtf(static_cast<float>(n));
   const T* xt = static_cast<const T*>(x);
@@ -233,9 +205,8 @@ int launch(const void* x, void* y, const uint8_t* signs, const int8_t* hk, int r
     int slices = ROWS_THREADS / chunk_threads;
     if (slices > k) slices = k;
     return launch_pdl(hadamard_rows_kernel<T>, dim3(k, rows), dim3(slices * chunk_threads), 0, stream, pdl, xt, yt,
-                      signs, hk, n, k, __builtin_ctz(p2), chunk_threads, scale, f);
+                      signs, hk, n, k, __builtin_ctz(p2), chunk_threads, scale);
   }
-  if (forms) return UNSUPPORTED;
   const size_t smem = static_cast<size_t>(n) * sizeof(float);
   if (smem > 48 * 1024) {
     cudaError_t e = cudaFuncSetAttribute(hadamard_segments_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -257,10 +228,10 @@ int launch(const void* x, void* y, const uint8_t* signs, const int8_t* hk, int r
 }  // namespace
 
 int hadamard(const void* x, void* y, const uint8_t* signs, const int8_t* hk, int rows, int n, int k,
-             int p2, int dtype, int num_sms, int pdl, void* stream, const InputForm& form) {
+             int p2, int dtype, int num_sms, int pdl, void* stream) {
   if (k * p2 != n || (p2 & (p2 - 1)) != 0) return UNSUPPORTED;
-  return dtype == BF16 ? launch<__nv_bfloat16>(x, y, signs, hk, rows, n, k, p2, num_sms, pdl != 0, stream, form)
-                       : launch<__half>(x, y, signs, hk, rows, n, k, p2, num_sms, pdl != 0, stream, form);
+  return dtype == BF16 ? launch<__nv_bfloat16>(x, y, signs, hk, rows, n, k, p2, num_sms, pdl != 0, stream)
+                       : launch<__half>(x, y, signs, hk, rows, n, k, p2, num_sms, pdl != 0, stream);
 }
 
 }  // namespace qp

@@ -151,20 +151,6 @@ __device__ __forceinline__ float block_sum(float v, float* part) {
   return s;
 }
 
-// A thread's chunk of rmsnorm(x + x_add) ⊙ w (x_add only when `add`) from the loaded chunks `in`,
-// `res`, `w`; the sum goes to *h_out where non-null (the residual stream, by one CTA a row). n: the
-// row's length, all of it held by the block; every thread calls it (block_sum: one barrier).
-template <class T>
-__device__ __forceinline__ uint4 add_rms_norm_chunk(uint4 in, const uint4& res, const uint4& w, bool add, uint4* h_out,
-                                                    bool active, int n, float eps, float* part) {
-  if (add && active) {
-    in = add_chunks<T>(in, res);
-    if (h_out) *h_out = in;
-  }
-  const float ss = block_sum(active ? sum_squares<T>(in) : 0.f, part);
-  return rms_scaled<T>(in, w, rsqrtf(ss / static_cast<float>(n) + eps));
-}
-
 // the 8 elements of a 16-byte chunk, sign byte `sb` applied (bit 7 − k set ⇔ element k negated)
 template <class T>
 __device__ __forceinline__ void signed_chunk(const uint4& raw, uint32_t sb, float (&v)[8]) {
@@ -175,18 +161,14 @@ __device__ __forceinline__ void signed_chunk(const uint4& raw, uint32_t sb, floa
 
 // v += Σ_a H_K[seg, a] (s ⊙ x)[a·2^m + 8t + ·] over a = a0, a0 + step, … < K (hk: K·K ±1, unused
 // when K = 1): chunk t of segment seg of (H_K ⊗ I) (s ⊙ x), before the 2^m-point transform.
-// up_chunks > 0: x is [gate | up] with up starting that many chunks in, and the input silu(gate) ⊙ up.
 template <class T>
 __device__ __forceinline__ void mix_segments(float (&v)[8], const T* x, const uint8_t* signs, const int8_t* hk,
-                                             int k, int log2p2, int seg, int t, int a0, int step, int up_chunks) {
-  const uint4* x4 = reinterpret_cast<const uint4*>(x);
+                                             int k, int log2p2, int seg, int t, int a0, int step) {
 #pragma unroll 4
   for (int a = a0; a < k; a += step) {
     const int chunk = ((a << log2p2) >> 3) + t;
     float w[8];
-    uint4 raw = __ldg(x4 + chunk);
-    if (up_chunks) raw = silu_mul<T>(raw, __ldg(x4 + up_chunks + chunk));
-    signed_chunk<T>(raw, __ldg(signs + chunk), w);
+    signed_chunk<T>(__ldg(reinterpret_cast<const uint4*>(x) + chunk), __ldg(signs + chunk), w);
     const bool neg = k > 1 && __ldg(hk + seg * k + a) < 0;
 #pragma unroll
     for (int e = 0; e < 8; ++e) v[e] += neg ? -w[e] : w[e];

@@ -305,9 +305,12 @@ __device__ __forceinline__ void stage_signed_row(const GemvParams& p, int row, T
 template <class T>
 __device__ __forceinline__ uint4 normed_chunk(const GemvParams& p, uint4 in, const uint4& res, const uint4& wn, int row,
                                               int c, bool active, float* part) {
-  uint4* h = p.x_add && blockIdx.x == 0 ? reinterpret_cast<uint4*>(reinterpret_cast<T*>(p.h_out) + (row << p.log2p2)) + c
-                                        : nullptr;
-  return add_rms_norm_chunk<T>(in, res, wn, p.x_add != nullptr, h, active, 1 << p.log2p2, p.norm_eps, part);
+  if (p.x_add && active) {
+    in = add_chunks<T>(in, res);
+    if (blockIdx.x == 0) reinterpret_cast<uint4*>(reinterpret_cast<T*>(p.h_out) + (row << p.log2p2))[c] = in;
+  }
+  const float ss = block_sum(active ? sum_squares<T>(in) : 0.f, part);
+  return rms_scaled<T>(in, wn, rsqrtf(ss / static_cast<float>(1 << p.log2p2) + p.norm_eps));
 }
 
 // SHARE (kernels that may run in a rotation cluster, p.rs > 1: batch > 1, K = 1, no K split): CTA
@@ -755,11 +758,10 @@ int launch_gemv(const GemvArgs& a) {
   size_t smem = 0;
   const bool rotate = a.signs != nullptr;
   const int p2 = rotate ? a.cols / a.rot_k : 0;
-  const InputForm& f = a.form;
-  const bool norm = f.norm_w != nullptr;
-  if (f.gated && (!rotate || a.members || !PR::FORMS_INPUT || norm)) return UNSUPPORTED;
+  const bool norm = a.norm_w != nullptr;
+  if (a.gated && (!rotate || a.members || !PR::FORMS_INPUT || norm)) return UNSUPPORTED;
   if (norm && (!rotate || a.rot_k != 1 || a.members || !PR::FORMS_INPUT)) return UNSUPPORTED;
-  if ((f.x_add != nullptr) != (f.h_out != nullptr) || (f.x_add && !norm) || (a.y_add && a.members)) return UNSUPPORTED;
+  if ((a.x_add != nullptr) != (a.h_out != nullptr) || (a.x_add && !norm) || (a.y_add && a.members)) return UNSUPPORTED;
   if (rotate && (p2 * a.rot_k != a.cols || a.rot_k > 64 || p2 < 8 || p2 > 4096 || (p2 & (p2 - 1)) != 0 || gtot * 128 != a.cols ||
                  (a.rot_k > 1) != (a.hk_neg != nullptr)))
     return UNSUPPORTED;
@@ -834,11 +836,11 @@ int launch_gemv(const GemvArgs& a) {
   p.signs = static_cast<const uint8_t*>(a.signs);
   p.hk_neg = static_cast<const unsigned long long*>(a.hk_neg);
   p.rot_k = a.rot_k;
-  p.gated = f.gated;
-  p.norm_w = static_cast<const char*>(f.norm_w);
-  p.norm_eps = f.norm_eps;
-  p.x_add = static_cast<const char*>(f.x_add);
-  p.h_out = static_cast<char*>(f.h_out);
+  p.gated = a.gated;
+  p.norm_w = static_cast<const char*>(a.norm_w);
+  p.norm_eps = a.norm_eps;
+  p.x_add = static_cast<const char*>(a.x_add);
+  p.h_out = static_cast<char*>(a.h_out);
   p.y_add = static_cast<const char*>(a.y_add);
   p.log2p2 = rotate ? __builtin_ctz(p2) : 0;
   p.rot_scale = rotate ? 1.0f / sqrtf(static_cast<float>(a.cols)) : 1.0f;

@@ -19,20 +19,6 @@ struct Codes {
   int groups_b, tiles_b;
 };
 
-// What a kernel that rotates its input may form that input from, instead of taking x as it is:
-// `gated`: x rows hold a gated MLP's [gate | up] (2·cols values) and the input is silu(gate) ⊙ up;
-// `norm_w` (the power-of-two case, K = 1, a row in one CTA): the input is rmsnorm(x + x_add) ⊙
-// norm_w (LlamaRMSNorm's rounding) and x + x_add is written to h_out; x_add, h_out: (m, cols)
-// contiguous, or both nullptr (no add); norm_w: (cols,) in dtype. A form a kernel cannot take
-// returns UNSUPPORTED.
-struct InputForm {
-  int gated = 0;
-  const void* norm_w = nullptr;
-  float norm_eps = 0.f;
-  const void* x_add = nullptr;
-  void* h_out = nullptr;
-};
-
 // y[m, rows] = x[m, cols] · (decode(codes) ⊙ row_scale)ᵀ for 1 ≤ m ≤ 8; with `signs`,
 // x ← H(s ⊙ x)/√cols first, H = H_K ⊗ H_{cols/K} (the online rotation fused: cols/K a power of
 // two 8..4096, every CTA of a K split holding whole segments of cols/K, else UNSUPPORTED).
@@ -43,7 +29,14 @@ struct GemvArgs {
   const void* hk_neg;     // the rotation's factor H_K as K 64-bit row masks (bit a set ⇔ H_K[j, a] = −1),
                           // nullptr when K = 1
   int rot_k;              // K ≤ 64
-  InputForm form;         // needs signs (the input is formed as the rotation stages it)
+  int gated;              // x rows hold [gate | up] (2·cols values): the input is silu(gate) ⊙ up (needs signs)
+  // add + RMSNorm in the prologue (needs signs, K = 1, the row in one CTA, else UNSUPPORTED): the
+  // input is rmsnorm(x + x_add) ⊙ norm_w (LlamaRMSNorm's rounding), x + x_add written to h_out;
+  // x_add, h_out: (m, cols) contiguous or both nullptr; norm_w (cols,) in dtype or nullptr
+  const void* norm_w;
+  float norm_eps;
+  const void* x_add;
+  void* h_out;
   const void* y_add;      // (m, ldy) in dtype added to y (a residual after the matmul), or nullptr
   long long ldx;
   void* y;                // output (m, ldy) in dtype
@@ -85,10 +78,9 @@ int dequant(const DequantArgs& a, int family, int p0, int p1);
 
 // y = H(s ⊙ x) row by row: x, y (rows, n) in dtype; signs bit-packed (n/8); hk the ±1 int8
 // factor H_K (K·K, row-major; nullptr when K = 1); n = K·p2, p2 a power of two; pdl: launch as a
-// programmatic dependent launch (Hopper only). `form` (gated: x is (rows, 2n)): the input formed
-// first (p2 ≤ 4096 and K ≤ 64 only).
+// programmatic dependent launch (Hopper only).
 int hadamard(const void* x, void* y, const uint8_t* signs, const int8_t* hk, int rows, int n, int k,
-             int p2, int dtype, int num_sms, int pdl, void* stream, const InputForm& form);
+             int p2, int dtype, int num_sms, int pdl, void* stream);
 
 // Tail-biting Viterbi of the TCQ trellis (qpalette/quant/trellis.py): x (n_tiles, 128, 2) float32
 // tile pairs, table (2^q, 2) float32 hybrid table, paths (n_tiles, 128) int64 states out; scratch:
