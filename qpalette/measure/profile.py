@@ -11,7 +11,10 @@ linear layer ANCHOR (tcq-2.0, random codes, fused as `compress` fuses), timed in
 forward loop (compiled, CUDA graphs, static cache: the GPU's time per token), minus the isolated
 times of its matmuls measured like the groups. It therefore holds the online rotations as the
 runtime runs them (fused into the matmul at batch 1), attention, norms, the 16-bit lm_head, and
-the gaps between kernels inside a model that isolated kernel times miss. The same model with
+the gaps between kernels inside a model that isolated kernel times miss. Its blocks count as
+unfused: where the runtime runs a block's adds and norms inside its GEMVs (at batch 1), the same
+model is timed with every layer's own forward too, and `fused_block_saving_s` (a block) is what a
+plan subtracts for each block that fuses (`planning.program.fused_blocks`). The same model with
 lm_head quantized too gives `constant_quantized_head_s`, which a plan that quantizes the head uses
 (`LatencyProfile.with_quantized_head`). Predictions made from a profile are forward-loop tok/s;
 transformers' `generate` adds its per-token host work on top (`qpalette bench` reports both). The
@@ -25,9 +28,10 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -175,17 +179,34 @@ def _release() -> None:
 
 
 def anchor_step(cfg: dict, batch: int, dtype: torch.dtype, lm_head: bool,
-                kernels: dict[tuple[int, int], float]) -> tuple[float, float, str]:
-    """(step, the isolated kernel time of its quantized matmuls, how the step ran) of the ANCHOR
-    model; `kernels` (shape → seconds) keeps the kernel timings for the next anchor model."""
+                kernels: dict[tuple[int, int], float]) -> tuple[float, float, str, int]:
+    """(step, the isolated kernel time of its quantized matmuls, how the step ran, its decoder
+    blocks that run fused) of the ANCHOR model; `kernels` (shape → seconds) keeps the kernel timings
+    for the next anchor model."""
+    from qpalette.runtime.modules import fused_block_count
+
     model = anchor_model(cfg, dtype, lm_head)
-    calls = kernel_calls(model)
+    calls, fused = kernel_calls(model), fused_block_count(model)
     step, method = decode_step_time(model, batch)
     del model
     _release()
     for shape in set(calls) - kernels.keys():
         kernels[shape] = kernel_timing.time_quantized(ANCHOR, *shape, [batch], dtype)[0][batch]
-    return step, sum(kernels[s] for s in calls), method
+    return step, sum(kernels[s] for s in calls), method, fused
+
+
+@contextmanager
+def fused_blocks_off():
+    """Models loaded inside run every decoder layer's own forward (QPALETTE_FUSED_BLOCKS=0)."""
+    old = os.environ.get("QPALETTE_FUSED_BLOCKS")
+    os.environ["QPALETTE_FUSED_BLOCKS"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["QPALETTE_FUSED_BLOCKS"]
+        else:
+            os.environ["QPALETTE_FUSED_BLOCKS"] = old
 
 
 def head_quantizable(cfg: dict) -> bool:
@@ -201,15 +222,32 @@ def anchor_parts(cfg: dict, batch: int, dtype: torch.dtype, say=_say) -> dict:
     """The anchor models' steps and their matmuls: with a 16-bit lm_head, and with a quantized one
     where ANCHOR can code its shape."""
     kernels: dict[tuple[int, int], float] = {}
-    step, linear, method = anchor_step(cfg, batch, dtype, False, kernels)
+    step, linear, method, fused = anchor_step(cfg, batch, dtype, False, kernels)
     parts = {"anchor": ANCHOR, "anchor_step_s": step, "anchor_linear_s": linear, "anchor_step_method": method}
+    parts |= fusion_saving(cfg, batch, dtype, step, fused, kernels)
+    unfused_blocks = parts["fused_block_saving_s"] * fused  # the constant holds the blocks' work unfused
     if head_quantizable(cfg):
-        step, linear, method = anchor_step(cfg, batch, dtype, True, kernels)
+        step, linear, method, _ = anchor_step(cfg, batch, dtype, True, kernels)
         parts |= {"anchor_head_step_s": step, "anchor_head_linear_s": linear, "anchor_head_step_method": method,
-                  "constant_quantized_head_s": max(step - linear, 0.0)}
+                  "constant_quantized_head_s": max(step - linear, 0.0) + unfused_blocks}
     else:
         say(f"  lm_head's shape cannot take {ANCHOR}: the quantized-head constant is derived, not measured")
     return parts
+
+
+def fusion_saving(cfg: dict, batch: int, dtype: torch.dtype, step: float, fused: int,
+                  kernels: dict[tuple[int, int], float]) -> dict:
+    """What one fused decoder block saves: the ANCHOR model's step with every layer's own forward
+    (`fused_blocks_off`) less its `step` with `fused` blocks fused, a block; 0 when none fuses or
+    the runtime keeps the blocks' own forwards at this batch (the rotation not in the GEMV)."""
+    from qpalette.runtime import ops
+
+    if not fused or not ops.fuses_rotation(architecture.dims(cfg)["hidden"], batch):
+        return {"fused_blocks": 0, "fused_block_saving_s": 0.0}
+    with fused_blocks_off():
+        unfused, _, _, _ = anchor_step(cfg, batch, dtype, False, kernels)
+    return {"fused_blocks": fused, "anchor_unfused_step_s": unfused,
+            "fused_block_saving_s": max(unfused - step, 0.0) / fused}
 
 
 def _require_kernels() -> None:
@@ -245,7 +283,8 @@ def measure_constant(cfg: dict, batch: int, dtype: torch.dtype, say=_say) -> tup
     except Exception as e:  # noqa: BLE001 — reported with the way out
         raise KernelError(f"measuring a decode step failed ({type(e).__name__}: {e}); "
                           "rerun with constant=False to keep only kernel timings") from e
-    const = (max(parts["anchor_step_s"] - parts["anchor_linear_s"], 0.0) if not moe
+    const = (max(parts["anchor_step_s"] - parts["anchor_linear_s"], 0.0)
+             + parts["fused_block_saving_s"] * parts["fused_blocks"] if not moe
              else max(parts["fp16_step_s"] - parts["fp16_linear_s"], 0.0) + parts["rotation_s"])
     say(f"  batch {batch}: constant {const * 1e3:.3f} ms ("
         + (f"{ANCHOR} model step {parts['anchor_step_s'] * 1e3:.3f} ms, its matmuls "
@@ -262,6 +301,7 @@ def profile_document(label: str, batch: int, constant: tuple[float, dict], shape
         "device": torch.cuda.get_device_name(),
         "batch_size": batch,
         "constant_s": constant[0],
+        "fused_block_saving_s": constant[1].get("fused_block_saving_s", 0.0),
         "shapes": {g: list(s) for g, s in shapes.items()},
         "groups": groups,
         "units": "seconds per decode step; groups: one block's kernel call; total = Σ blocks + constant_s",

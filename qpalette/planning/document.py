@@ -19,7 +19,7 @@ from qpalette.errors import InputError
 from qpalette.fileio import atomic_write, read_json_object
 from qpalette.planning.budget import Budget
 from qpalette.planning.inputs import LatencyProfile
-from qpalette.planning.program import Problem, Solution, choose_groups, gap_decomposition, usage
+from qpalette.planning.program import Problem, Solution, choose_groups, fused_blocks, gap_decomposition, usage
 
 PLAN_FORMAT = "qpalette.plan/1"
 _HINT = "written by `qpalette plan`"
@@ -263,9 +263,11 @@ def _totals(problem: Problem, solution: Solution, layers: dict[str, PlanLayer], 
     total_bytes = None
     if problem.unquantized_bytes is not None:
         total_bytes = codes + cb + problem.sign_bytes + problem.unquantized_bytes
-    latency = None
+    latency, fused = None, set()
     if prof is not None and all(blk.latency_s is not None for blk in blocks):
-        latency = math.fsum(blk.latency_s for blk in blocks) + prof.constant_s
+        fused = fused_blocks((blk.block, g.group, g.quantizer, layers[g.layers[0]].shape[1])
+                             for blk in blocks for g in blk.groups)
+        latency = math.fsum(blk.latency_s for blk in blocks) + prof.constant_s - prof.fused_block_saving_s * len(fused)
     return {
         "predicted_loss": math.fsum(v.loss for v in layers.values()),
         "avg_bits": usage(problem, solution.chosen)["bits"] / (4 * problem.total_params),
@@ -279,6 +281,7 @@ def _totals(problem: Problem, solution: Solution, layers: dict[str, PlanLayer], 
         },
         "bytes_per_quantized_weight_bits": 8 * (codes + cb + problem.sign_bytes) / problem.total_params,
         "latency_s": latency,
+        "fused_blocks": len(fused),  # blocks whose norms and adds run in their GEMVs (program.fused_blocks)
         "tok_per_s": None if latency is None else 1.0 / latency,
         "batch_size": prof.batch_size if prof else None,
         "throughput_tok_per_s": None if latency is None else prof.batch_size / latency,

@@ -188,6 +188,14 @@ class LatencyProfile:
         """Whether a quantized lm_head can be priced: its group and its 16-bit time are measured."""
         return bool(self.groups.get("head")) and "lm_head_s" in (self.meta.get("constant") or {})
 
+    @property
+    def fused_block_saving_s(self) -> float:
+        """What a decoder block's step saves when its residual adds and norms run inside its GEMVs
+        (`runtime.modules.install_fused_block`, which takes blocks whose q/k/v and gate/up are
+        fused groups and whose entries form their inputs: `program.fused_blocks`). `constant_s`
+        holds the unfused blocks' work; 0 in profiles from before it was measured."""
+        return float(self.meta.get("fused_block_saving_s", 0.0))
+
     def with_quantized_head(self) -> "LatencyProfile":
         """This profile for a plan that quantizes lm_head (the head's kernel is then one of the
         plan's calls): the constant measured with a quantized head, or, in profiles from before it
@@ -213,6 +221,8 @@ class LatencyProfile:
         if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
             raise InputError(f"{path}: batch_size {bs!r} is not a positive integer")
         const = _finite(d.get("constant_s"), f"{path}: constant_s")
+        if "fused_block_saving_s" in d and _finite(d["fused_block_saving_s"], f"{path}: fused_block_saving_s") < 0:
+            raise InputError(f"{path}: fused_block_saving_s is negative")
         groups = _latency_groups(d.get("groups"), path)
         shapes = {GROUP_ALIASES.get(g, g): _shape(s, f"{path}: shape of group {g}")
                   for g, s in (d.get("shapes") or {}).items()}

@@ -9,13 +9,19 @@ one row-concatenated kernel call. Binary x_o per option:
     Σ x_o · Σ_{l∈o} n_l · bits(q_o)     ≤ B_bits · N      average nominal bits   (bits budget)
     Σ x_o · Σ_{l∈o} bytes(l, q_o) + Σ_c y_c · bytes(c) ≤ B_bytes − fixed          (byte budget)
     Σ_{o ∋ l, c ∈ cb(q_o)} x_o ≤ y_c   ∀ l, c          codebook c stored once if any layer uses it
-    Σ x_o · latency(g_o, q_o) + constant_s ≤ B_s                                  (latency budget)
+    Σ x_o · latency(g_o, q_o) + constant_s − saving · Σ_b f_b ≤ B_s                (latency budget)
+    f_b ≤ Σ_{o ∈ F_b^g} x_o  for g = qkv, gateup, down,  0 ≤ f_b ≤ 1             (fused blocks)
     minimise Σ x_o · Σ_{l∈o} a_l · err(q_o)      (or Σ x_o · Σ_{l∈o} table[l][q_o] with a loss table)
 
 `fixed` = sign vectors (one per input group per block) + unquantized modules (fp16). Without a
 latency budget only single-layer options exist (fusion changes no byte), and the fusion groups
 of the plan are chosen afterwards: the fastest partition by the latency profile, else the largest
 groups whose layers got the same quantizer.
+
+A block whose q/k/v and gate/up are fused groups and whose qkv, gateup and down entries can form
+their inputs in the GEMV (F_b^g: `takes_block_fusion`) runs its residual adds and norms inside those
+GEMVs and saves the profile's `fused_block_saving_s`; f_b is then 1 at the optimum (it only relaxes
+the budget), 0 otherwise.
 
 Options dominated in every active resource (codebook bytes included) and in distortion are
 dropped before solving; this never changes the optimum. Resource sums of the returned plan are
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 from qpalette.errors import InfeasibleBudget, InputError, ModelError, PlanError, UnsupportedShape
@@ -90,6 +97,40 @@ class Problem:
     def total_params(self) -> int:
         return sum(l.numel for l in self.layers)
 
+    @property
+    def block_saving(self) -> float:
+        """Seconds a fused block saves (`fused_blocks`); blocks fuse only where fused groups are offered."""
+        return self.latency.fused_block_saving_s if self.fused and self.latency is not None else 0.0
+
+    def fused_blocks(self, chosen: list[Option]) -> set[int]:
+        return fused_blocks((o.block, o.group, o.quantizer, self.layers[o.layers[0]].in_features) for o in chosen)
+
+
+#: a block's calls that take its elementwise work when it fuses (runtime.modules.install_fused_block):
+#: q/k/v's applies the input norm, gate/up's adds the residual and applies the second norm, down's
+#: forms silu(gate) ⊙ up and adds the residual
+FUSED_BLOCK_GROUPS = ("qkv", "gateup", "down")
+
+
+def takes_block_fusion(group: str, quantizer: str, in_features: int) -> bool:
+    """Whether a block's `group` call with this entry and input size takes its part of a fused block
+    (the runtime's rules: `ops.gemv_forms_input`, `gemv_norms`, `gemv_rotates`)."""
+    from qpalette.runtime import ops
+
+    if group not in FUSED_BLOCK_GROUPS or not ops.gemv_forms_input(quantizer):
+        return False
+    return ops.gemv_rotates(in_features) if group == "down" else ops.gemv_norms(in_features)
+
+
+def fused_blocks(calls) -> set[int]:
+    """Blocks all of whose FUSED_BLOCK_GROUPS calls take the fusion, of (block, group, entry,
+    in_features) calls."""
+    parts: dict[int, set[str]] = defaultdict(set)
+    for block, group, quantizer, in_features in calls:
+        if takes_block_fusion(group, quantizer, in_features):
+            parts[block].add(group)
+    return {b for b, groups in parts.items() if len(groups) == len(FUSED_BLOCK_GROUPS)}
+
 
 def _quarter_bits(q: Quantizer) -> int:
     qb = q.bits * 4
@@ -142,7 +183,8 @@ def build_problem(
         raise PlanError("one loss-table row per layer expected")
     groups, notes = _offered_groups(layers, latency, use_latency, fuse)
     cb_bytes = {c: codebook_nbytes(c) for q in quantizers for c in q.codebooks}
-    maker = _OptionMaker(layers, a, quantizers, err, cb_bytes, latency, use_latency, active, prune, losses)
+    saving = latency.fused_block_saving_s if latency is not None and use_latency and fuse else 0.0
+    maker = _OptionMaker(layers, a, quantizers, err, cb_bytes, latency, use_latency, active, prune, losses, saving)
     options = [o for b, parents in sorted(_units(layers).items()) for g in groups
                for kinds in parents.values() for o in maker.options(b, g, kinds)]
     _check_covered(layers, options, use_latency)
@@ -216,6 +258,7 @@ class _OptionMaker:
     active: tuple[str, ...]
     prune: bool
     losses: list[dict[str, float]] | None = None
+    block_saving: float = 0.0  # > 0: entries that let a block fuse are kept apart in the dominance test
     pruned: int = 0
     _stored: dict = field(default_factory=dict)  # (out, in, quantizer) → bytes | None (unsupported)
     _drop: dict = field(default_factory=dict)  # (group, shapes) → names of dominated quantizers
@@ -238,7 +281,9 @@ class _OptionMaker:
             key = (g, tuple((m.out_features, m.in_features) for m in members)) if self.losses is None else (g, idx)
             if key not in self._drop:
                 score = self.err if self.losses is None else loss
-                self._drop[key] = _dominated(cand, score, self.cb_bytes, self.active, self.use_latency)
+                fuses = {q.name for q, *_ in cand
+                         if self.block_saving > 0 and takes_block_fusion(g, q.name, members[0].in_features)}
+                self._drop[key] = _dominated(cand, score, self.cb_bytes, self.active, self.use_latency, fuses)
             self.pruned += sum(1 for c in cand if c[0].name in self._drop[key])
             cand = [c for c in cand if c[0].name not in self._drop[key]]
         return [Option(block, g, idx, q.name, loss[q.name], qb, nbytes, lat, q.codebooks)
@@ -293,14 +338,15 @@ def _check_covered(layers: list[LayerShape], options: list[Option], use_latency:
         )
 
 
-def _dominated(cand, err, cb_bytes, active, use_latency) -> set[str]:
-    """Names of candidates some other candidate beats (or ties, earlier wins) in every way."""
+def _dominated(cand, err, cb_bytes, active, use_latency, fuses=frozenset()) -> set[str]:
+    """Names of candidates some other candidate beats (or ties, earlier wins) in every way; one in
+    `fuses` (it lets its block fuse and save time) only by another in `fuses`."""
     drop = set()
     for j, (q, nb, qb, lat) in enumerate(cand):
         for k, (q2, nb2, qb2, lat2) in enumerate(cand):
             if k == j or q2.name in drop:
                 continue
-            worse = [err[q2.name] <= err[q.name]]
+            worse = [err[q2.name] <= err[q.name], q.name not in fuses or q2.name in fuses]
             strict = [err[q2.name] < err[q.name]]
             if "bits" in active:
                 worse.append(qb2 <= qb)
@@ -360,7 +406,7 @@ def usage(problem: Problem, chosen: list[Option]) -> dict[str, float | int]:
         "bytes": sum(o.nbytes for o in chosen) + sum(problem.codebook_bytes[c] for c in books),
     }
     if all(o.latency is not None for o in chosen):
-        out["latency"] = math.fsum(o.latency for o in chosen)
+        out["latency"] = math.fsum(o.latency for o in chosen) - problem.block_saving * len(problem.fused_blocks(chosen))
     return out
 
 
@@ -398,6 +444,7 @@ def _scip_model(problem: Problem, caps: dict, objective: str = "loss", time_limi
         ),
         "latency": lambda: solver.Sum(
             [(o.latency / scale["latency"]) * x[i] for i, o in enumerate(problem.options)]
+            + [(-problem.block_saving / scale["latency"]) * f for f in _fused_block_vars(solver, problem, x)]
         ),
     }
     for r, cap in caps.items():
@@ -410,6 +457,25 @@ def _scip_model(problem: Problem, caps: dict, objective: str = "loss", time_limi
     else:
         solver.Minimize(exprs[objective]())
     return solver, x, y, scale
+
+
+def _fused_block_vars(solver, problem: Problem, x) -> list:
+    """f_b ∈ [0, 1] per block that can fuse, each at most the chosen options' share of every
+    FUSED_BLOCK_GROUPS call that takes the fusion (none without a saving)."""
+    if problem.block_saving <= 0:
+        return []
+    takes: dict[int, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
+    for i, o in enumerate(problem.options):
+        if takes_block_fusion(o.group, o.quantizer, problem.layers[o.layers[0]].in_features):
+            takes[o.block][o.group].append(i)
+    fs = []
+    for b, by_group in sorted(takes.items()):
+        if len(by_group) == len(FUSED_BLOCK_GROUPS):
+            f = solver.NumVar(0.0, 1.0, f"f{b}")
+            for idx in by_group.values():
+                solver.Add(f <= solver.Sum([x[i] for i in idx]))
+            fs.append(f)
+    return fs
 
 
 _STATUS = {0: "optimal", 1: "feasible", 2: "infeasible", 3: "unbounded", 4: "abnormal",

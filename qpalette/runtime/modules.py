@@ -496,14 +496,23 @@ def install_fused_block(layer: nn.Module) -> bool:
     `install_gated_mlp`). At batch 1 a block is then GEMVs, rope and attention only. Calls off that
     path (CPU, batch > 1, entries or sizes the GEMV cannot take, gradients, positional arguments)
     run the layer's own forward. The norms' and the MLP's own forwards (and their hooks) are skipped
-    on that path. A bound method: a deep copy calls its own modules."""
-    if fused_block_parts(layer) is None or not _plain_block(layer):
+    on that path. A bound method: a deep copy calls its own modules. QPALETTE_FUSED_BLOCKS=0 (read
+    when a model is loaded) keeps every layer's own forward."""
+    if os.environ.get("QPALETTE_FUSED_BLOCKS", "1") == "0" or fused_block_parts(layer) is None or not _plain_block(layer):
         return False
     layer.forward = types.MethodType(_fused_block_forward, layer)
     return True
 
 
+def fused_block_count(model: nn.Module) -> int:
+    """Decoder layers of `model` running the fused forward (`install_fused_block`)."""
+    return sum(1 for m in model.modules() if _is_fused_forward(m.__dict__.get("forward")))
+
+
+def _is_fused_forward(forward) -> bool:
+    return isinstance(forward, types.MethodType) and forward.__func__ is _fused_block_forward
+
+
 def remove_fused_block(layer: nn.Module) -> None:
-    forward = layer.__dict__.get("forward")
-    if isinstance(forward, types.MethodType) and forward.__func__ is _fused_block_forward:
+    if _is_fused_forward(layer.__dict__.get("forward")):
         del layer.__dict__["forward"]

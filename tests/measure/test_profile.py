@@ -1,5 +1,6 @@
 """qpalette profile: the parts that need no GPU (group shapes, the refusal without CUDA)."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -69,8 +70,17 @@ def test_the_anchor_model_calls_one_kernel_a_fused_group(tiny_llama_dir):
 def test_the_constant_is_the_anchor_step_less_its_matmuls(tiny_llama_dir, monkeypatch):
     from qpalette.measure import profile
 
-    steps = {False: (5e-3, 3e-3, "compiled forward loop"), True: (4.5e-3, 3.2e-3, "compiled forward loop")}
-    monkeypatch.setattr(profile, "anchor_step", lambda cfg, b, dtype, lm_head, kernels: steps[lm_head])
+    def anchor_step(cfg, b, dtype, lm_head, kernels):  # 2 blocks fused, unless QPALETTE_FUSED_BLOCKS=0
+        unfused = os.environ.get("QPALETTE_FUSED_BLOCKS") == "0"
+        if lm_head:
+            return 4.5e-3, 3.2e-3, "compiled forward loop", 2
+        return (5.4e-3, 3e-3, "compiled forward loop", 0) if unfused else (5e-3, 3e-3, "compiled forward loop", 2)
+
+    from qpalette.runtime import ops
+
+    monkeypatch.delenv("QPALETTE_FUSED_BLOCKS", raising=False)
+    monkeypatch.setattr(profile, "anchor_step", anchor_step)
+    monkeypatch.setattr(ops, "fuses_rotation", lambda n, rows: rows == 1)  # as for a 4096-wide model
     monkeypatch.setattr(profile, "random_model", lambda cfg, dtype: None)
     monkeypatch.setattr(profile, "decode_step_time", lambda model, b: (7e-3, "compiled forward loop"))
     monkeypatch.setattr(profile, "fp16_linear_time", lambda cfg, b, dtype: 6e-3)
@@ -80,13 +90,20 @@ def test_the_constant_is_the_anchor_step_less_its_matmuls(tiny_llama_dir, monkey
     monkeypatch.setattr(profile, "_release", lambda: None)
     cfg = _tiny_cfg(tiny_llama_dir, vocab_size=256, bos_token_id=255, eos_token_id=255)
     const, parts = profile.measure_constant(cfg, 1, torch.float16, say=lambda m: None)
-    assert const == pytest.approx(2e-3) and parts["constant_quantized_head_s"] == pytest.approx(1.3e-3)
+    # the constant counts the blocks unfused: the unfused step less the matmuls, and a fused block
+    # saves (5.4 − 5.0) ms / 2; the quantized-head constant adds the same 2 blocks' saving back
+    assert parts["fused_blocks"] == 2 and parts["fused_block_saving_s"] == pytest.approx(2e-4)
+    assert const == pytest.approx(2.4e-3) and parts["constant_quantized_head_s"] == pytest.approx(1.7e-3)
     assert parts["anchor"] == profile.ANCHOR and parts["fp16_step_s"] == 7e-3 and parts["lm_head_s"] == 4e-4
+    assert "QPALETTE_FUSED_BLOCKS" not in os.environ  # restored after the unfused model
     # a vocabulary ANCHOR cannot code (257 rows): no quantized-head constant, the planner derives it
     said = []
     const, parts = profile.measure_constant(_tiny_cfg(tiny_llama_dir), 1, torch.float16, say=said.append)
-    assert const == pytest.approx(2e-3) and "constant_quantized_head_s" not in parts
+    assert const == pytest.approx(2.4e-3) and "constant_quantized_head_s" not in parts
     assert any("derived" in m for m in said)
+    # batch 8: the rotation is not fused, the blocks keep their own forwards: nothing to subtract
+    const, parts = profile.measure_constant(cfg, 8, torch.float16, say=lambda m: None)
+    assert parts["fused_block_saving_s"] == 0 and const == pytest.approx(2e-3)
     # mixture of experts: the FP16 step less its linear layers, plus the rotations; no anchor model
     moe = _tiny_cfg(tiny_llama_dir, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)
     const, parts = profile.measure_constant(moe, 1, torch.float16, say=lambda m: None)
@@ -103,7 +120,7 @@ def test_measure_constant_on_a_gpu(tiny_llama_dir):
                                             1, torch.float16,
                                             say=print)
     assert 0 < parts["anchor_linear_s"] < parts["anchor_step_s"] and const == pytest.approx(
-        parts["anchor_step_s"] - parts["anchor_linear_s"])
+        parts["anchor_step_s"] - parts["anchor_linear_s"] + parts["fused_block_saving_s"] * parts["fused_blocks"])
     assert parts["anchor_head_linear_s"] > parts["anchor_linear_s"]  # one more call: the head
 
 
@@ -120,9 +137,10 @@ def test_the_anchor_models_share_their_kernel_timings(tiny_llama_dir, monkeypatc
     monkeypatch.setattr(profile.kernel_timing, "time_quantized",
                         lambda name, rows, cols, bs, dtype: (timed.append((rows, cols)) or {b: rows * 1e-6 for b in bs}, 0))
     kernels = {}
-    _, linear, _ = profile.anchor_step(cfg, 1, torch.float16, False, kernels)
+    _, linear, _, fused = profile.anchor_step(cfg, 1, torch.float16, False, kernels)
+    assert fused == 2  # both Llama blocks run the fused forward (where the kernels take them)
     assert sorted(timed) == [(64, 64), (64, 128), (128, 64), (256, 64)]
     assert linear == pytest.approx(2 * (128 + 64 + 256 + 64) * 1e-6)  # qkv, o, gateup, down × 2 blocks
-    _, linear_head, _ = profile.anchor_step(cfg, 1, torch.float16, True, kernels)
+    _, linear_head, _, _ = profile.anchor_step(cfg, 1, torch.float16, True, kernels)
     assert sorted(timed[4:]) == [(272, 64)]  # the blocks' shapes are not timed again
     assert linear_head == pytest.approx(linear + 272e-6)

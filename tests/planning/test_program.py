@@ -80,6 +80,18 @@ def random_budgets(full, budgets_kinds, rng, latency=None):
     return budgets
 
 
+FORMS = {"tcq-2.0", "tcq-3.0"}  # of the entries below, those whose GEMV forms its input (not half-TCQ)
+
+
+def fused_by_hand(chosen) -> set[int]:
+    """Blocks whose qkv and gateup groups and down have entries in FORMS (counted apart from the planner)."""
+    parts = {}
+    for o in chosen:
+        if o.group in ("qkv", "gateup", "down") and o.quantizer in FORMS:
+            parts.setdefault(o.block, set()).add(o.group)
+    return {b for b, g in parts.items() if len(g) == 3}
+
+
 def assert_budgets_hold(layers, chosen, budgets, latency=None):
     """Budgets hold exactly, counted independently of the solver's bookkeeping."""
     assign = {i: o.quantizer for o in chosen for i in o.layers}
@@ -97,6 +109,7 @@ def assert_budgets_hold(layers, chosen, budgets, latency=None):
             assert total <= bgt.value
         else:
             lat = math.fsum(latency.groups[o.group][o.quantizer] for o in chosen)
+            lat -= latency.fused_block_saving_s * len(fused_by_hand(chosen))
             assert lat + latency.constant_s <= bgt.value * (1 + 1e-12)
 
 
@@ -273,3 +286,55 @@ def test_a_speed_budget_on_experts_is_refused_with_the_reason():
     with pytest.raises(PlanError, match="mixture-of-experts.*bits or bytes budget"):
         build_problem(layers, [1.0] * len(layers), qs, ERR, latency=fake_profile(qs, 0), use_latency=True)
     build_problem(layers, [1.0] * len(layers), qs, ERR, latency=fake_profile(qs, 0))  # bits/bytes plans stay
+
+
+# ---- fused blocks: a block whose norms and adds run in its GEMVs saves the profile's time ----------
+WIDE = dict(hidden_size=128, intermediate_size=256, head_dim=32)  # sizes the GEMVs norm and rotate
+
+
+def saving_profile(qs, seed, saving) -> LatencyProfile:
+    prof = fake_profile(qs, seed)
+    prof.meta["fused_block_saving_s"] = saving
+    return prof
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_speed_plan_with_fused_block_savings_equals_brute_force(seed):
+    """The brute force counts a plan's latency with the saving of each block that fuses (`usage`); the
+    program's f_b variables must reach the same optimum, and the chosen plan's latency, counted by
+    hand, fits the budget."""
+    qs = quantizers(["tcq-2", "tcq-3", "half-tcq-2.75"])
+    prof = saving_profile(qs, seed, 2.5e-5)
+    layers = tiny_layers(**WIDE)
+    sol = check_against_brute_force(layers, qs, ("latency",), seed, latency=prof)
+    if sol is not None:
+        lat = math.fsum(prof.groups[o.group][o.quantizer] for o in sol.chosen)
+        assert usage(build_problem(layers, [1.0] * len(layers), qs, ERR, latency=prof, use_latency=True),
+                     sol.chosen)["latency"] == pytest.approx(lat - 2.5e-5 * len(fused_by_hand(sol.chosen)))
+
+
+def test_a_budget_only_fused_blocks_meet_is_met_by_fusing_them():
+    """Just under the fastest plan without the saving, no plan fits; with it the plan fuses blocks
+    (q/k/v and gate/up grouped, entries that form their inputs) and the document counts them."""
+    qs = quantizers(["tcq-2", "half-tcq-2.75"])
+    layers = tiny_layers(blocks=2, **WIDE)
+    a = [1.0] * len(layers)
+
+    def problem(saving):
+        return build_problem(layers, a, qs, ERR, latency=saving_profile(qs, 1, saving), use_latency=True,
+                             unquantized_params=1000)
+
+    with pytest.raises(InfeasibleBudget) as e:
+        solve(problem(0.0), [Budget("latency", 1e-9, "x")])
+    budget = [Budget("latency", e.value.smallest["latency"] - 1e-6, "x")]
+    with pytest.raises(InfeasibleBudget):
+        solve(problem(0.0), budget)
+    fused = problem(1e-4)
+    sol = solve(fused, budget)
+    n = len(fused_by_hand(sol.chosen))
+    assert n >= 1
+    plan = make_plan(fused, sol, budget, fuse=True, model={}, inputs={}, options={})
+    assert plan.totals["fused_blocks"] == n
+    lat = math.fsum(fused.latency.groups[o.group][o.quantizer] for o in sol.chosen)
+    assert plan.totals["latency_s"] == pytest.approx(lat + fused.latency.constant_s - n * 1e-4)
+    assert plan.totals["latency_s"] <= budget[0].value
