@@ -172,7 +172,7 @@ def kernels(bench: dict, figdir: Path, updated: set[str] = frozenset()) -> list[
     return out + [""]
 
 
-SPEED_RUNS = "speed_llama8b_v6"  # the latest decode-speed runs (results/<this>/bench_*.json, plan_*.json)
+SPEED_RUNS = "speed_llama8b_v7"  # the latest decode-speed runs (results/<this>/bench_*.json, plan_*.json)
 
 
 def speed(folder: Path, figdir: Path) -> list[str]:
@@ -189,12 +189,13 @@ def speed(folder: Path, figdir: Path) -> list[str]:
                "(the GPU's time per token); **generate** = transformers' `generate`, median step, which adds its "
                "per-token host work. Planned tok/s come from the plan's latency profile "
                "(`profiles/h100_latency_llama31_8b_b1.json`; its constant is a tcq-2.0 model's compiled step less "
-               "its matmuls' isolated times). "
+               "its matmuls' isolated times, its blocks counted unfused; each block whose norms and adds run in its "
+               "GEMVs subtracts the profile's `fused_block_saving_s`). "
                "2bit and 4bit: every layer and lm_head tcq-2.0, resp. nuq-4 (`compress --scheme E --lm-head`); "
                "speedN: the plan for N tok/s (lm_head 16-bit: the reference sensitivities have no lm_head "
                "coefficient); `…_before`: the same checkpoint on an earlier tree's kernels in the same run; "
                f"– where a run timed the loop only. Which run measured which file: `results/{folder.name}/README.md`. "
-               "Earlier runs: `results/speed_llama8b_v2/` … `_v5/`, `results/speed_llama8b/` (v1 kernels).")
+               "Earlier runs: `results/speed_llama8b_v2/` … `_v6/`, `results/speed_llama8b/` (v1 kernels).")
     out += ["", "| model | plan budget | batch | loop tok/s | loop × FP16 | generate tok/s | generate × FP16 | "
             "loop throughput | planned tok/s | loop / planned |", "|---|---|---|---|---|---|---|---|---|---|"]
     fp_rows = {r["batch_size"]: r for r in fp["rows"]}
@@ -238,7 +239,8 @@ def breakdown(folder: Path, note: str = "") -> list[str]:
         return []
     kinds = sorted({k for r in runs.values() for k in r["kinds_s"]}, key=lambda k: -max(r["kinds_s"].get(k, 0) for r in runs.values()))
     out = [f"### Where a decode step goes (batch 1, `scripts/decode_breakdown.py`{note})", "",
-           "Kernel time per step from torch.profiler over 8 steps of the inductor-compiled forward, by kind; "
+           "Kernel time per step from torch.profiler over a few decode steps (`--steps`: the run's README) of the "
+           "inductor-compiled forward, by kind; "
            "then the same forward replayed as a CUDA graph, and the host time of one graph call.", "",
            "| ms per step | " + " | ".join(runs) + " |", "|---|" + "---|" * len(runs)]
     for k in kinds:
