@@ -270,6 +270,19 @@ def test_fused_block_computes_the_layers_own_forward(tiny_q, monkeypatch):
     assert calls["normed"] == n
 
 
+def test_fused_blocks_can_be_turned_off(tiny_q, monkeypatch):
+    """QPALETTE_FUSED_BLOCKS=0 at load time keeps every layer's own forward (what `qpalette profile`
+    times the unfused constant with)."""
+    from qpalette.runtime.loading import load_model
+
+    monkeypatch.setenv("QPALETTE_FUSED_BLOCKS", "0")
+    model, _ = load_model(tiny_q, "cpu", torch.float32, tokenizer=False)
+    assert qlinear.fused_block_count(model) == 0
+    monkeypatch.delenv("QPALETTE_FUSED_BLOCKS")
+    model, _ = load_model(tiny_q, "cpu", torch.float32, tokenizer=False)
+    assert qlinear.fused_block_count(model) == len(model.model.layers) == 2
+
+
 def test_blocks_with_other_maths_or_unfused_qkv_keep_their_forward(tiny_q):
     from qpalette.runtime.loading import load_model
 
