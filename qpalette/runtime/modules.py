@@ -328,10 +328,10 @@ SILU_CLASSES = ("SiLU", "SiLUActivation")  # torch's and transformers' (ACT2FN["
 
 
 def _code(forward) -> tuple:
-    """A function's bytecode and names, under its decorators (transformers wraps forwards in
-    kwarg-renaming decorators whose wrapper code is the same for every class)."""
-    forward = inspect.unwrap(forward)
-    return forward.__code__.co_code, forward.__code__.co_names
+    """A function's bytecode, names and constants, under its decorators (transformers wraps forwards
+    in kwarg-renaming decorators whose wrapper code is the same for every class)."""
+    code = inspect.unwrap(forward).__code__
+    return code.co_code, code.co_names, tuple(c for c in code.co_consts if not inspect.iscode(c))
 
 
 @functools.cache
@@ -434,14 +434,29 @@ def remove_cache_reset(parent: nn.Module) -> None:
 
 
 # ---- decoder blocks: the residual adds and RMSNorms inside the GEMVs -----------------------------
+# attention classes whose forward reads its input only through q/k/v_proj (and its shape); their
+# decoder layers and norms are Llama's code (Qwen2/3's and Mistral's are, `_code` says so)
+PLAIN_ATTENTION = (("llama", "LlamaAttention"), ("qwen2", "Qwen2Attention"), ("qwen3", "Qwen3Attention"),
+                   ("mistral", "MistralAttention"))
+
+
 @functools.cache
 def _plain_block_forwards() -> dict[str, frozenset]:
     """Bytecode of the modules whose forwards a fused block replaces or skips, as they compute
-    nothing else: Llama's decoder layer (norm → attention → add → norm → MLP → add), its attention
-    (which reads its input only through q/k/v_proj) and LlamaRMSNorm."""
+    nothing else: Llama's decoder layer (norm → attention → add → norm → MLP → add), the attentions
+    of PLAIN_ATTENTION and LlamaRMSNorm."""
+    import importlib
+
     from transformers.models.llama import modeling_llama as llama
-    return {"layer": frozenset({_code(llama.LlamaDecoderLayer.forward)}),
-            "attention": frozenset({_code(llama.LlamaAttention.forward)}),
+
+    attention = set()
+    for module, name in PLAIN_ATTENTION:
+        try:
+            attention.add(_code(getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"),
+                                        name).forward))
+        except (ImportError, AttributeError):  # an older transformers without that model
+            continue
+    return {"layer": frozenset({_code(llama.LlamaDecoderLayer.forward)}), "attention": frozenset(attention),
             "norm": frozenset({_code(llama.LlamaRMSNorm.forward)})}
 
 

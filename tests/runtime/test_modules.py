@@ -270,6 +270,30 @@ def test_fused_block_computes_the_layers_own_forward(tiny_q, monkeypatch):
     assert calls["normed"] == n
 
 
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2", "qwen3"])
+def test_fused_block_takes_llama_style_architectures(model_type, tmp_path, monkeypatch):
+    """Mistral's, Qwen2's (q/k/v biases) and Qwen3's (q/k norms) blocks run Llama's layer code with
+    attentions that read their input only through q/k/v_proj: they fuse, and compute their own
+    forwards' logits (the kernels' path forced: the ops' CPU reference runs)."""
+    from helpers import run_compress
+    from tiny_llama import make_tiny_llama
+
+    from qpalette.runtime.loading import load_model
+
+    run_compress(make_tiny_llama(tmp_path / "src", model_type=model_type), tmp_path / "q", scheme="tcq-2.0")
+    model, _ = load_model(tmp_path / "q", "cpu", torch.float32, tokenizer=False)
+    assert qlinear.fused_block_count(model) == len(model.model.layers) == 2
+    ids = torch.tensor([[5, 17, 200, 3]])
+    with torch.no_grad():
+        own = model(ids).logits
+        monkeypatch.setattr(QuantizedLinear, "takes_gated", lambda self, x: True)
+        monkeypatch.setattr(QuantizedLinear, "takes_normed", lambda self, x, norm: True)
+        calls = _count_fused_ops(monkeypatch)
+        fused = model(ids).logits
+    assert calls["normed+residual"] == calls["gated+residual"] == 2
+    torch.testing.assert_close(fused, own, rtol=1e-4, atol=1e-4)
+
+
 def test_fused_blocks_can_be_turned_off(tiny_q, monkeypatch):
     """QPALETTE_FUSED_BLOCKS=0 at load time keeps every layer's own forward (what `qpalette profile`
     times the unfused constant with)."""
