@@ -89,31 +89,28 @@ __device__ __forceinline__ void fwht_row(float (&v)[8], int log2n, float scale, 
     for (int k = 0; k < 8; ++k) out[phase2_index(t, k, r)] = Cvt<T>::from_float(v[k] * scale);
 }
 
-// silu(g) ⊙ u of two 16-byte chunks in fp32, rounded to T once (a gated MLP's down-projection input)
-template <class T>
-__device__ __forceinline__ uint4 silu_mul(const uint4& g, const uint4& u) {
-  const T* ge = reinterpret_cast<const T*>(&g);
-  const T* ue = reinterpret_cast<const T*>(&u);
-  uint4 out;
-  T* o = reinterpret_cast<T*>(&out);
-#pragma unroll
-  for (int k = 0; k < 8; ++k) {
-    const float a = Cvt<T>::to_float(ge[k]);
-    o[k] = Cvt<T>::from_float(a / (1.f + __expf(-a)) * Cvt<T>::to_float(ue[k]));
-  }
-  return out;
-}
-
-// a + b of two 16-byte chunks, each sum rounded to T (a residual add, as torch computes it)
-template <class T>
-__device__ __forceinline__ uint4 add_chunks(const uint4& a, const uint4& b) {
+// f(a_k, b_k) over the 8 elements of two 16-byte chunks, in fp32, each result rounded to T once
+template <class T, class F>
+__device__ __forceinline__ uint4 map_chunks(const uint4& a, const uint4& b, F f) {
   const T* ae = reinterpret_cast<const T*>(&a);
   const T* be = reinterpret_cast<const T*>(&b);
   uint4 out;
   T* o = reinterpret_cast<T*>(&out);
 #pragma unroll
-  for (int k = 0; k < 8; ++k) o[k] = Cvt<T>::from_float(Cvt<T>::to_float(ae[k]) + Cvt<T>::to_float(be[k]));
+  for (int k = 0; k < 8; ++k) o[k] = Cvt<T>::from_float(f(Cvt<T>::to_float(ae[k]), Cvt<T>::to_float(be[k])));
   return out;
+}
+
+// silu(g) ⊙ u, rounded once (a gated MLP's down-projection input)
+template <class T>
+__device__ __forceinline__ uint4 silu_mul(const uint4& g, const uint4& u) {
+  return map_chunks<T>(g, u, [](float a, float b) { return a / (1.f + __expf(-a)) * b; });
+}
+
+// a + b, each sum rounded to T (a residual add, as torch computes it)
+template <class T>
+__device__ __forceinline__ uint4 add_chunks(const uint4& a, const uint4& b) {
+  return map_chunks<T>(a, b, [](float x, float y) { return x + y; });
 }
 
 // Σ h² of a chunk's 8 elements in fp32
@@ -129,14 +126,7 @@ __device__ __forceinline__ float sum_squares(const uint4& h) {
 // LlamaRMSNorm's arithmetic on a chunk: w ⊙ T(h · r), r = rsqrt(mean h² + eps), rounded to T twice
 template <class T>
 __device__ __forceinline__ uint4 rms_scaled(const uint4& h, const uint4& w, float r) {
-  const T* he = reinterpret_cast<const T*>(&h);
-  const T* we = reinterpret_cast<const T*>(&w);
-  uint4 out;
-  T* o = reinterpret_cast<T*>(&out);
-#pragma unroll
-  for (int k = 0; k < 8; ++k)
-    o[k] = Cvt<T>::from_float(Cvt<T>::to_float(we[k]) * Cvt<T>::to_float(Cvt<T>::from_float(Cvt<T>::to_float(he[k]) * r)));
-  return out;
+  return map_chunks<T>(h, w, [r](float x, float wk) { return wk * Cvt<T>::to_float(Cvt<T>::from_float(x * r)); });
 }
 
 // v summed over the block, in a fixed order (warp shuffles, then the warps' sums from `part`, one
