@@ -433,15 +433,21 @@ def _(x, codes, codes_b, row_scale, quantizer, out_features):
     return _qmm_cuda(x, codes, codes_b, row_scale, quantizer, out_features)
 
 
-def _qmm_cuda(x, codes, codes_b, row_scale, quantizer, out_features, signs=None, gated=False, y_add=None):
-    """The matmul ops on the kernels: all leading dimensions of x as activation rows."""
+def _qmm_cuda(x, codes, codes_b, row_scale, quantizer, out_features, signs=None, gated=False, norm=None,
+              y_add=None):
+    """The matmul ops on the kernels: all leading dimensions of x as activation rows (`norm`'s
+    residual and h_out shaped like x, h_out contiguous; `y_add` like y)."""
     lead, n_in = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, n_in).contiguous()
     if x2.shape[0] == 0:
         return x.new_empty((*lead, out_features))
+    if norm is not None:
+        weight, eps, residual, h_out = norm
+        norm = (weight.contiguous(), eps, residual.reshape(-1, n_in).contiguous() if residual is not None else None,
+                h_out.view(-1, n_in) if h_out is not None else None)
     y = _qmm_kernels(x2, codes.contiguous(), codes_b.contiguous() if codes_b is not None else None,
                      row_scale, quantizer, out_features, signs.contiguous() if signs is not None else None, gated,
-                     y_add=y_add.reshape(-1, out_features).contiguous() if y_add is not None else None)
+                     norm, y_add.reshape(-1, out_features).contiguous() if y_add is not None else None)
     return y.reshape(*lead, out_features)
 
 
@@ -583,13 +589,9 @@ def _(x, residual, norm_weight, eps, signs, codes, codes_b, row_scale, quantizer
     if not (_kernel_dtype(x) and _kernels_ok() and same) or x.numel() == 0:
         return _normed_reference(x, residual, norm_weight, eps, signs, codes, codes_b, row_scale, quantizer,
                                  out_features)
-    lead, n = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, n).contiguous()
-    r2 = residual.reshape(-1, n).contiguous() if residual is not None else None
-    h2 = torch.empty_like(x2) if residual is not None else None
-    y = _qmm_kernels(x2, codes.contiguous(), codes_b.contiguous() if codes_b is not None else None, row_scale,
-                     quantizer, out_features, signs.contiguous(), norm=(norm_weight.contiguous(), eps, r2, h2))
-    return y.reshape(*lead, out_features), _sum_or_empty(h2.reshape(x.shape) if h2 is not None else x, residual)
+    h = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
+    y = _qmm_cuda(x, codes, codes_b, row_scale, quantizer, out_features, signs, norm=(norm_weight, eps, residual, h))
+    return y, _sum_or_empty(h if h is not None else x, residual)
 
 
 @_normed_qmm_op.register_fake
