@@ -406,7 +406,9 @@ def usage(problem: Problem, chosen: list[Option]) -> dict[str, float | int]:
         "bytes": sum(o.nbytes for o in chosen) + sum(problem.codebook_bytes[c] for c in books),
     }
     if all(o.latency is not None for o in chosen):
-        out["latency"] = math.fsum(o.latency for o in chosen) - problem.block_saving * len(problem.fused_blocks(chosen))
+        out["latency"] = math.fsum(o.latency for o in chosen)
+        if problem.block_saving:
+            out["latency"] -= problem.block_saving * len(problem.fused_blocks(chosen))
     return out
 
 
