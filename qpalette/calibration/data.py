@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from qpalette.errors import InputError
+from qpalette.models.walk import cache_kwarg
 from qpalette.progress import progress_bar
 
 DATASETS = {
@@ -123,6 +124,7 @@ def sample_tokens(model, num_seqs: int, seq_len: int, seed: int, batch: int, bos
                   progress: Callable[[int], None] | None = None) -> torch.Tensor:
     """num_seqs sequences of seq_len tokens: BOS, then samples of the model at temperature 1."""
     g = torch.Generator(device=device).manual_seed(seed)
+    cache_kw = cache_kwarg(model)  # the output field is named as the forward's keyword
     out = []
     for b0 in range(0, num_seqs, batch):
         b = min(batch, num_seqs - b0)
@@ -130,8 +132,8 @@ def sample_tokens(model, num_seqs: int, seq_len: int, seed: int, batch: int, bos
         seq = [ids]
         past = None
         for _ in range(seq_len - 1):
-            o = model(input_ids=ids, past_key_values=past, use_cache=True)
-            past = o.past_key_values
+            o = model(input_ids=ids, **{cache_kw: past}, use_cache=True)
+            past = getattr(o, cache_kw)
             probs = torch.softmax(o.logits[:, -1].float(), dim=-1)
             ids = torch.multinomial(probs, 1, generator=g)
             seq.append(ids)

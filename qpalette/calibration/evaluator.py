@@ -112,6 +112,7 @@ def block_input(model, ids):
         if j == 0:
             box["h"] = hidden_states
         kwargs.pop("past_key_values", None)
+        kwargs.pop("cache", None)  # its name from transformers 5.24
         box["kw"].append({**kwargs, "use_cache": False})
         if j == len(blocks) - 1:
             raise _Stop

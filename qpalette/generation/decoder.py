@@ -29,6 +29,7 @@ import torch
 
 from qpalette.errors import InputError
 from qpalette.generation.sampling import SamplingOptions, next_tokens, noise_streams
+from qpalette.models.walk import cache_kwarg
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 READ_BEHIND = 8  # steps the host may run ahead of the tokens it has read back
@@ -110,6 +111,7 @@ class Decoder:
     def __init__(self, model, graphs: bool | None = None, compile: bool | None = None):
         self.model = model
         self.device, self.dtype = model.device, model.dtype
+        self._cache_kw = cache_kwarg(model)  # resolved here, not in the step that dynamo traces
         split = len({p.device for p in model.parameters()}) > 1
         self.graphs = self.device.type == "cuda" and graphs is not False and not split
         self.compile = self.graphs and compile is not False
@@ -178,7 +180,7 @@ class Decoder:
         """Last-position logits (B, vocab) after writing K/V of `ids` at cache slots `query_pos`."""
         state.cache.write_at = query_pos
         out = self.model(input_ids=ids, position_ids=(query_pos.view(1, -1) - state.pads).clamp_min(0),
-                         attention_mask=self._mask(state, query_pos), past_key_values=state.cache,
+                         attention_mask=self._mask(state, query_pos), **{self._cache_kw: state.cache},
                          use_cache=True, logits_to_keep=1)
         return out.logits[:, -1]
 

@@ -36,6 +36,7 @@ from qpalette.devices import resolve_device
 from qpalette.errors import InputError
 from qpalette.generation.attention import use_transformers_attention
 from qpalette.generation.hf_compile import MODES, compile_config, compile_kwargs, mode_stop_check
+from qpalette.models.walk import cache_kwarg
 from qpalette.runtime.loading import load_model
 from qpalette.runtime.modules import decoded_bytes
 
@@ -135,6 +136,7 @@ class DecodeLoop:
         self.graphs = compile in ("reduce-overhead", "lean", "deferred")
         kwargs = compile_kwargs(compile) if compile in ("lean", "deferred") else {"mode": compile}
         self.model = model
+        self.cache_kw = cache_kwarg(model)  # resolved here, not in the forward that dynamo traces
         # the greedy pick is compiled with the forward, as the decoder's step is (run eagerly, torch's
         # argmax over a 128k vocabulary showed as a 37 µs kernel in results/speed_llama8b/breakdown_fp16.json)
         self.next_token = torch.compile(self._next_token, **kwargs) if compile else self._next_token
@@ -143,7 +145,8 @@ class DecodeLoop:
         self.pos = prompt_len
 
     def _next_token(self, ids: torch.Tensor, **where) -> torch.Tensor:
-        logits = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1, **where).logits
+        logits = self.model(input_ids=ids, **{self.cache_kw: self.cache}, use_cache=True, logits_to_keep=1,
+                            **where).logits
         return logits[:, -1:].argmax(-1)
 
     def step(self) -> None:

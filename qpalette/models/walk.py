@@ -14,11 +14,14 @@ layer recording the tensor object it reads. Layers of one parent module that rea
 an input group: one sign vector, one online rotation (`…self_attn.rotate_qkv`), and the layers a
 fused kernel may concatenate (q, k, v; gate, up). A pre-fused layer (Phi-3's `qkv_proj`) is a
 group of one.
+
+`cache_kwarg` names the keyword a model's forward takes its KV cache by, which transformers renamed.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import re
 from dataclasses import dataclass
@@ -76,6 +79,23 @@ def decoder_blocks(model: nn.Module) -> nn.ModuleList:
         raise unsupported(f"{type(model).__name__} is not laid out as model.layers (decoder blocks), "
                           "model.norm and lm_head")
     return blocks
+
+
+def cache_kwarg(model) -> str:
+    """The keyword `model`'s forward takes its KV cache by: `cache` where the forward names it
+    (transformers 5.24 renamed it, and warns on every call given the old name), else
+    `past_key_values`. Inspects the class's signature (once per class): resolve it outside code that
+    torch.compile traces."""
+    return _cache_kwarg(type(model))
+
+
+@functools.cache
+def _cache_kwarg(cls: type) -> str:
+    try:
+        params = inspect.signature(inspect.unwrap(cls.forward)).parameters
+    except (AttributeError, TypeError, ValueError):  # no forward, or one without a signature
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def check_block_params(block: nn.Module, prefix: str) -> None:
