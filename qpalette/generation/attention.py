@@ -11,11 +11,18 @@ per-head mask, a position bias) goes to transformers' own sdpa unchanged.
 `use_packed_attention(model)` switches a model whose attention is "sdpa" to this one; `qpalette`
 loads every model with it (`QPALETTE_ATTENTION=sdpa` opts out; `qpalette bench --attention sdpa`
 times transformers' own for comparison).
+
+It also gives Llama-style attention modules a forward (`install_rope_attention`) that, for one new
+token against a static cache, hands the q/k/v projections as they are to one kernel that applies
+rope, writes the cache and attends (`qpalette::rope_cache_attention`): transformers' forward runs rope
+and the cache update (two copies) as three more kernels a layer.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import types
 
 import torch
 
@@ -67,10 +74,121 @@ def use_packed_attention(model) -> bool:
         return False
     register()
     model.set_attn_implementation(NAME)
-    return model.config._attn_implementation == NAME
+    if model.config._attn_implementation != NAME:
+        return False
+    for module in model.modules():
+        install_rope_attention(module)
+    return True
 
 
 def use_transformers_attention(model) -> None:
     """Back to transformers' own sdpa (what `qpalette bench --attention sdpa` times)."""
     if getattr(model.config, "_attn_implementation", None) == NAME:
         model.set_attn_implementation("sdpa")
+    for module in model.modules():
+        remove_rope_attention(module)
+
+
+# ---- rope, cache update and attention in one kernel ----------------------------------------------
+# attention classes whose forward is Llama's: q/k/v projections, apply_rotary_pos_emb, cache.update,
+# the attention function, o_proj (Mistral and Qwen2 differ only in passing `sliding_window` to the
+# attention function, which this attention, like the packed one, leaves to the mask)
+ROPE_ATTENTION = (("llama", "LlamaAttention"), ("mistral", "MistralAttention"), ("qwen2", "Qwen2Attention"))
+
+
+@functools.cache
+def _rope_attention_forwards() -> frozenset:
+    import importlib
+
+    from qpalette.runtime.modules import _code
+
+    codes = set()
+    for module, name in ROPE_ATTENTION:
+        try:
+            codes.add(_code(getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"),
+                                    name).forward))
+        except (ImportError, AttributeError):  # an older transformers without that model
+            continue
+    return frozenset(codes)
+
+
+def install_rope_attention(module: torch.nn.Module) -> bool:
+    """Give an attention module of a ROPE_ATTENTION class (by its forward's code) the one-kernel
+    decode forward; True if it did. QPALETTE_FUSED_ATTENTION=0 (read when a model is loaded) keeps
+    transformers' forward."""
+    from qpalette.runtime.modules import _code
+
+    if os.environ.get("QPALETTE_FUSED_ATTENTION", "1") == "0" or not hasattr(type(module), "forward"):
+        return False
+    if _code(type(module).forward) not in _rope_attention_forwards():
+        return False
+    module.forward = types.MethodType(_rope_attention_forward, module)
+    return True
+
+
+def remove_rope_attention(module: torch.nn.Module) -> None:
+    forward = module.__dict__.get("forward")
+    if isinstance(forward, types.MethodType) and forward.__func__ is _rope_attention_forward:
+        del module.__dict__["forward"]
+
+
+def rope_attention_count(model: torch.nn.Module) -> int:
+    """Attention modules of `model` with the one-kernel decode forward."""
+    return sum(1 for m in model.modules() if isinstance(m.__dict__.get("forward"), types.MethodType)
+               and m.__dict__["forward"].__func__ is _rope_attention_forward)
+
+
+def _rope_attention_forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
+                            *args, **kwargs):
+    where = _cache_slot(self, hidden_states, position_embeddings, attention_mask, args, kwargs)
+    if where is None:
+        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, *args, **kwargs)
+    from qpalette.runtime.decode_attention import rope_cache_attention
+
+    keys, values, slot, length, mask = where
+    b = hidden_states.shape[0]
+    cos, sin = position_embeddings
+    rows = [proj(hidden_states)[:, 0] for proj in (self.q_proj, self.k_proj, self.v_proj)]  # (B, width) views
+    out = rope_cache_attention(*rows, cos[:, 0], sin[:, 0], keys, values, slot, mask, self.scaling)
+    if length is not None:
+        length.add_(1)
+    return self.o_proj(out.reshape(b, 1, -1)), None
+
+
+def on_kernels(x: torch.Tensor) -> bool:
+    """Whether the one-kernel forward serves activations like x (CUDA; elsewhere transformers' forward)."""
+    return x.is_cuda
+
+
+def _cache_slot(attn, x, position_embeddings, attention_mask, args, kwargs):
+    """(keys, values, slot, length to advance or None, mask rows) when this call is one new token a row
+    against a static cache that the kernel can write (qpalette's decoder's SlotKVCache at its `write_at`
+    slot, or a transformers StaticLayer at its length, which then advances by one), with this attention
+    implementation, no gradient and no option the kernel lacks; else None (transformers' forward)."""
+    from qpalette.generation.decoder import SlotKVCache
+
+    if (args or position_embeddings is None or x.dim() != 3 or x.shape[1] != 1 or not on_kernels(x)
+            or attn.config._attn_implementation != NAME or torch.is_grad_enabled()
+            or kwargs.get("output_attentions") or (attn.training and attn.attention_dropout > 0)):
+        return None
+    cache = kwargs.get("past_key_values", kwargs.get("cache"))
+    idx = attn.layer_idx
+    if isinstance(cache, SlotKVCache):
+        if idx not in cache.keys or cache.write_at is None or cache.write_at.numel() != 1:
+            return None
+        keys, values, slot, length = cache.keys[idx], cache.values[idx], cache.write_at, None
+    else:
+        from transformers.cache_utils import StaticLayer
+
+        layers = getattr(cache, "layers", None)
+        layer = layers[idx] if layers is not None and idx < len(layers) else None
+        if (type(layer) is not StaticLayer or not layer.is_initialized
+                or getattr(cache, "offloading", False)):
+            return None
+        keys, values, slot, length = layer.keys, layer.values, layer.cumulative_length, layer.cumulative_length
+    mask = attention_mask
+    if mask is not None:
+        if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1 or mask.shape[3] != keys.shape[2]:
+            return None
+        mask = mask[:, 0, 0]
+    return keys, values, slot, length, mask

@@ -5,6 +5,12 @@ A torch.library custom op with a fake implementation (torch.compile and CUDA gra
 op), the pure-PyTorch reference on every device, and on CUDA the split-length kernel of
 runtime/cuda/decode_attention.cu where it applies (float16/bfloat16, head dim 64 or 128, G ≤ 8, a
 contiguous cache); elsewhere SDPA on the packed heads. generation/attention.py calls it at decode.
+
+`qpalette::rope_cache_attention` is the same attention for the new token's projections as the q/k/v
+GEMVs wrote them: rope on q and on the new key, the key and value written to the caches at a slot
+and the attention, all in one kernel, where transformers runs rope and two cache copies as separate
+kernels
+(`generation.attention.install_rope_attention` calls it).
 """
 
 from __future__ import annotations
@@ -102,3 +108,62 @@ def packed_sdpa(q, k, v, mask, scale):
     out = torch.nn.functional.scaled_dot_product_attention(q.reshape(b, kv, h // kv, d), k, v,
                                                            attn_mask=attn_mask, scale=scale)
     return out.reshape(b, h, d)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb for x (B, N, D) and cos, sin (B or 1, D), in float32 and
+    rounded once (as inductor computes it)."""
+    half = x.shape[-1] // 2
+    xf = x.float()
+    rotated = torch.cat((-xf[..., half:], xf[..., :half]), -1)
+    return (xf * cos.float()[:, None] + rotated * sin.float()[:, None]).to(x.dtype)
+
+
+def rope_cache_reference(q, k_new, v_new, cos, sin, key_cache, value_cache, slot, mask, scale):
+    """The pure-PyTorch rope_cache_attention on every device: the rows (B, H·D) / (B, KV·D) roped,
+    the new key and value written at `slot`, then `reference` attention over the caches."""
+    b, kv, _, d = key_cache.shape
+    q_rot = apply_rope(q.reshape(b, -1, d), cos, sin)
+    key_cache.index_copy_(2, slot.reshape(1), apply_rope(k_new.reshape(b, kv, d), cos, sin)[:, :, None])
+    value_cache.index_copy_(2, slot.reshape(1), v_new.reshape(b, kv, 1, d))
+    return reference(q_rot, key_cache, value_cache, mask, scale)
+
+
+def rope_kernel_applies(q, k_new, v_new, cos, sin, key_cache, value_cache, slot, mask) -> bool:
+    """Whether the CUDA kernel takes these inputs (`kernel_applies`, rows with a contiguous last dim,
+    16-byte aligned value rows, one int64 slot on the device); else the reference runs them."""
+    b, kv, _, d = key_cache.shape
+    rows = (q, k_new, v_new, cos, sin)
+    return (kernel_applies(q.unflatten(1, (-1, d)), key_cache, value_cache, mask)
+            and all(t.dtype == q.dtype and t.dim() == 2 and t.stride(-1) == 1 for t in rows)
+            and k_new.stride(0) == v_new.stride(0) and cos.stride(0) == sin.stride(0)
+            and (v_new.stride(0) * v_new.element_size()) % 16 == 0 and v_new.data_ptr() % 16 == 0
+            and slot.dtype == torch.long and slot.numel() == 1 and slot.device == q.device)
+
+
+# The slot is only read (a StaticCache layer's length, which the caller advances after the op): with
+# the advance inside the op, a compiled Llama built its mask from the advanced length (CPU, torch 2.13)
+@torch.library.custom_op("qpalette::rope_cache_attention", mutates_args=("key_cache", "value_cache"))
+def rope_cache_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot: torch.Tensor,
+                         mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    """q (B, H·D), k_new and v_new (B, KV·D): one token's projections before rope; cos, sin (B or 1, D);
+    caches (B, KV, L, D) written at slot (one int64); mask (B or 1, L) → (B, H, D)."""
+    return rope_cache_reference(q, k_new, v_new, cos, sin, key_cache, value_cache, slot, mask, scale)
+
+
+@rope_cache_attention.register_kernel("cuda")
+def _rope_cache_attention_cuda(q, k_new, v_new, cos, sin, key_cache, value_cache, slot, mask, scale):
+    if not rope_kernel_applies(q, k_new, v_new, cos, sin, key_cache, value_cache, slot, mask):
+        return rope_cache_reference(q, k_new, v_new, cos, sin, key_cache, value_cache, slot, mask, scale)
+    dev = q.device
+    with torch.cuda.device(dev):
+        return kernel_build.extension(dev).rope_cache_attention(
+            q, k_new, v_new, cos, sin, key_cache, value_cache, slot,
+            None if mask is None else mask.contiguous(), scale, _stream(dev), _num_sms(dev))
+
+
+@rope_cache_attention.register_fake
+def _(q, k_new, v_new, cos, sin, key_cache, value_cache, slot, mask, scale):
+    b, d = q.shape[0], key_cache.shape[-1]
+    return q.new_empty(b, q.shape[1] // d, d)

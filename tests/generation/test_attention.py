@@ -200,9 +200,78 @@ def test_packed_decode_compiled_on_gpu(tmp_path, monkeypatch):
     theirs = _decode_logits(model, compiled=True, tokens=feed).float()
     used, applies = [], da.kernel_applies
     monkeypatch.setattr(da, "kernel_applies", lambda *a: used.append(applies(*a)) or used[-1])
-    use_packed_attention(model)
+    roped, rope_applies = [], da.rope_kernel_applies
+    monkeypatch.setattr(da, "rope_kernel_applies", lambda *a: roped.append(rope_applies(*a)) or roped[-1])
+    for fused in ("0", "1"):  # the packed attention alone, then with rope and the cache update in it
+        monkeypatch.setenv("QPALETTE_FUSED_ATTENTION", fused)
+        use_packed_attention(model)
+        torch._dynamo.reset()
+        mine = _decode_logits(model, compiled=True, tokens=feed).float()
+        err_mine, err_theirs = (mine - exact).abs().max().item(), (theirs - exact).abs().max().item()
+        assert err_mine <= 1.5 * err_theirs + 1e-3, (fused, err_mine, err_theirs)
+        assert used and all(used)
+        assert (len(roped) > 0) == (fused == "1") and all(roped)
+        use_transformers_attention(model)
+
+
+# ---- the one-kernel decode forward (rope, cache update and attention in one op) ------------------
+
+@pytest.fixture
+def rope_calls(monkeypatch):
+    """Batch sizes qpalette::rope_cache_attention runs (its reference), with the one-kernel forward
+    let onto CPU activations."""
+    from qpalette.generation import attention
+    from qpalette.runtime import decode_attention as da
+
+    seen, reference = [], da.rope_cache_reference
+
+    def recording(q, *args):
+        seen.append(q.shape[0])
+        return reference(q, *args)
+
+    monkeypatch.setattr(attention, "on_kernels", lambda x: True)
+    monkeypatch.setattr(da, "rope_cache_reference", recording)
+    return seen
+
+
+def test_rope_attention_equals_transformers_on_a_static_cache(tiny_llama_dir, rope_calls):
+    """Same logits at every step of a StaticCache decode (transformers' cache: the op advances the
+    layer's length, so transformers' own updates after it still land right), eager and compiled."""
+    from qpalette.generation.attention import rope_attention_count
+
+    model = _load(tiny_llama_dir)
+    theirs = _decode_logits(model)
+    assert use_packed_attention(model) and rope_attention_count(model) == 2
+    torch.testing.assert_close(_decode_logits(model), theirs, rtol=1e-5, atol=1e-5)
+    assert rope_calls == [2] * (4 * 2)
     torch._dynamo.reset()
-    mine = _decode_logits(model, compiled=True, tokens=feed).float()
-    err_mine, err_theirs = (mine - exact).abs().max().item(), (theirs - exact).abs().max().item()
-    assert err_mine <= 1.5 * err_theirs + 1e-3, (err_mine, err_theirs)
-    assert used and all(used)
+    torch.testing.assert_close(_decode_logits(model, compiled=True), theirs, rtol=1e-5, atol=1e-5)
+    use_transformers_attention(model)
+    assert rope_attention_count(model) == 0
+
+
+def test_rope_attention_in_the_decoder_with_left_padding(tiny_llama_dir, rope_calls):
+    """qpalette's decoder (its SlotKVCache, written at `write_at`) picks the same tokens."""
+    from qpalette.generation import Decoder, SamplingOptions
+
+    model = _load(tiny_llama_dir)
+    prompts = [[5, 6, 7, 8, 9, 10], [40, 41], [100]]
+    theirs = Decoder(model).generate_ids(prompts, 6, SamplingOptions(), stop_at_eos=False).tokens
+    assert use_packed_attention(model)
+    assert Decoder(model).generate_ids(prompts, 6, SamplingOptions(), stop_at_eos=False).tokens == theirs
+    assert rope_calls and set(rope_calls) == {4}  # batch bucket 4, decode steps only
+
+
+def test_rope_attention_leaves_other_calls_to_transformers(tiny_llama_dir, rope_calls, monkeypatch):
+    """Prefill, transformers' dynamic cache, gradients and QPALETTE_FUSED_ATTENTION=0 do not use it."""
+    model = _load(tiny_llama_dir)
+    assert use_packed_attention(model)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)  # dynamic cache
+    model(input_ids=ids)
+    assert rope_calls == []
+    monkeypatch.setenv("QPALETTE_FUSED_ATTENTION", "0")
+    from qpalette.generation.attention import rope_attention_count
+
+    assert use_packed_attention(_load(tiny_llama_dir)) and rope_attention_count(_load(tiny_llama_dir)) == 0

@@ -146,3 +146,98 @@ def test_kernel_build_failure_falls_back_to_sdpa(monkeypatch):
     with pytest.warns(UserWarning, match="runs SDPA instead"):
         assert not mod._kernels_built(torch.device("cuda", 0))
     assert not mod._kernels_built(torch.device("cuda", 0)) and len(tries) == 1
+
+
+# ---- rope_cache_attention: rope and the cache update in the attention ---------------------------
+
+def _rope_inputs(b, h, kv, length, d, dtype=torch.float32, device="cpu", mask="bool", shared_cos=False, seed=0,
+                 slot=None):
+    """A q/k/v row (B, (H + 2·KV)·D) sliced as the q/k/v GEMV's output is, cos/sin of random
+    positions, caches, the slot (int64) and a mask that sees the slot."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    qkv = torch.randn(b, (h + 2 * kv) * d, generator=g, device=device).to(dtype)
+    q, k_new, v_new = qkv[:, : h * d], qkv[:, h * d : (h + kv) * d], qkv[:, (h + kv) * d :]
+    angle = torch.rand(1 if shared_cos else b, d // 2, generator=g, device=device) * 6.3
+    cos, sin = (torch.cat((f(angle), f(angle)), -1).to(dtype) for f in (torch.cos, torch.sin))
+    _, kc, vc, m = _inputs(b, h, kv, length, d, dtype, device, mask, seed=seed + 1)
+    at = int(torch.randint(length, (1,), generator=torch.Generator().manual_seed(seed))) if slot is None else slot
+    if m is not None:
+        m[:, at] = True if m.dtype == torch.bool else 0
+    return q, k_new, v_new, cos, sin, kc, vc, torch.tensor(at, device=device), m
+
+
+def test_rope_reference_is_transformers_rope_cache_update_and_attention():
+    """fp32: transformers' apply_rotary_pos_emb, index_copy at the slot, then `reference`."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from qpalette.runtime.decode_attention import rope_cache_attention
+
+    q, k_new, v_new, cos, sin, kc, vc, slot, m = _rope_inputs(2, 8, 2, 20, 16)
+    qr, kr = apply_rotary_pos_emb(q.reshape(2, 8, 1, 16), k_new.reshape(2, 2, 1, 16), cos[:, None], sin[:, None])
+    kc2, vc2 = kc.clone(), vc.clone()
+    kc2.index_copy_(2, slot.reshape(1), kr)
+    vc2.index_copy_(2, slot.reshape(1), v_new.reshape(2, 2, 1, 16))
+    want = reference(qr[:, :, 0], kc2, vc2, m, 0.25)
+    torch.testing.assert_close(rope_cache_attention(q, k_new, v_new, cos, sin, kc, vc, slot, m, 0.25), want)
+    torch.testing.assert_close(kc, kc2)
+    assert torch.equal(vc, vc2)
+
+
+def test_rope_op_registration():
+    """opcheck: schema (the caches mutated), fake implementation, autograd registration."""
+    from qpalette.runtime.decode_attention import rope_cache_attention
+
+    torch.library.opcheck(rope_cache_attention, (*_rope_inputs(1, 4, 2, 12, 8), 0.3))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128])
+def test_rope_kernel_equals_reference(dtype, d):
+    """Batch 1–9, group counts 1–8, lengths from one key to many splits, the slot first, last or
+    anywhere (inside a split's keys or on its border), each mask kind, cos per row or one for the
+    batch: the output and both caches as the reference's."""
+    _cuda()
+    from qpalette.runtime.decode_attention import (
+        rope_cache_attention,
+        rope_cache_reference,
+        rope_kernel_applies,
+    )
+
+    cases = itertools.product([1, 2, 3, 8, 9], [1, 2, 4, 5, 8], [1, 31, 130, 1000, 4097])
+    for i, (b, g, length) in enumerate(cases):
+        kv = 2 if g < 5 else 1
+        slot = (0, length - 1, None, min(length - 1, 128))[i % 4]
+        args = _rope_inputs(b, g * kv, kv, length, d, dtype, "cuda", ("none", "bool", "additive")[i % 3],
+                            shared_cos=i % 2 == 0, seed=i, slot=slot)
+        assert rope_kernel_applies(*args)
+        mine, theirs = list(args), [None if a is None else a.clone() for a in args]
+        got = rope_cache_attention(*mine, d ** -0.5)
+        want = rope_cache_reference(*theirs, d ** -0.5)
+        tol = 2e-2 if dtype == torch.bfloat16 else 2e-3
+        what = f"b {b} g {g} L {length} slot {int(theirs[7])}"
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol, msg=lambda s: f"{what}: {s}")
+        torch.testing.assert_close(mine[5], theirs[5], rtol=1e-2, atol=1e-2, msg=lambda s: f"{what} keys: {s}")
+        assert torch.equal(mine[6], theirs[6]), what
+
+
+@pytest.mark.gpu
+def test_rope_kernel_in_a_cuda_graph_writes_the_slot_it_reads_at_replay():
+    """Captured once, each replay reads the slot anew: three replays at slots 100..102 write the
+    value rows there and attend over them."""
+    _cuda()
+    from qpalette.runtime.decode_attention import rope_cache_attention, rope_cache_reference
+
+    args = _rope_inputs(2, 32, 8, 4096, 128, torch.float16, "cuda", "none", slot=10)
+    rope_cache_attention(*args, 0.1)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = rope_cache_attention(*args, 0.1)
+    q, k_new, v_new, cos, sin, kc, vc, slot, _ = args
+    for at in (100, 101, 102):
+        slot.fill_(at)
+        theirs = [a.clone() for a in args[:8]]
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.float(), rope_cache_reference(*theirs, None, 0.1).float(), rtol=2e-3, atol=2e-3)
+    assert torch.equal(vc[:, :, 100:103], v_new.reshape(2, 8, 1, 128).expand(2, 8, 3, 128))

@@ -256,53 +256,106 @@ at::Tensor viterbi(const at::Tensor& x, const at::Tensor& table, int64_t kv, int
   return paths;
 }
 
-// Decode attention out (B, H, D) of one query token: q (B, H, D), k and v (B, KV, L, D), mask
-// (B or 1, L) bool or in q's dtype (additive), or none (qpalette_kernels.h, decode_attention.cu).
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const c10::optional<at::Tensor>& mask, double scale, int64_t stream, int64_t num_sms) {
-  check_cuda(q, "q");
+// The arguments both decode-attention bindings share: caches k and v (B, KV, L, D), the mask
+// (B or 1, L) bool or in the dtype (additive) or none, and the output's batch, heads and dims.
+qp::DecodeAttentionArgs attention_args(const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& mask,
+                                       int64_t batch, int64_t heads, int64_t head_dim, const at::Tensor& like) {
   check_cuda(k, "k");
   check_cuda(v, "v");
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.sizes() == k.sizes(), "q must be (B, H, D), k and v (B, KV, L, D)");
-  TORCH_CHECK(k.size(0) == q.size(0) && k.size(3) == q.size(2), "q, k and v disagree on batch or head dim");
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "q, k and v: one dtype");
-  TORCH_CHECK(k.device() == q.device() && v.device() == q.device() && (!mask.has_value() || mask->device() == q.device()),
+  TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes(), "k and v must be (B, KV, L, D)");
+  TORCH_CHECK(k.size(0) == batch && k.size(3) == head_dim, "q, k and v disagree on batch or head dim");
+  TORCH_CHECK(k.scalar_type() == like.scalar_type() && v.scalar_type() == like.scalar_type(), "q, k and v: one dtype");
+  TORCH_CHECK(k.device() == like.device() && v.device() == like.device() && (!mask.has_value() || mask->device() == like.device()),
               "q, k, v and mask must be on one device");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(k.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(v.data_ptr()) % 16 == 0,
               "k and v must be 16-byte aligned");
   qp::DecodeAttentionArgs a{};
-  a.batch = static_cast<int>(q.size(0));
-  a.heads = static_cast<int>(q.size(1));
-  a.head_dim = static_cast<int>(q.size(2));
+  a.batch = static_cast<int>(batch);
+  a.heads = static_cast<int>(heads);
+  a.head_dim = static_cast<int>(head_dim);
   a.kv_heads = static_cast<int>(k.size(1));
   a.length = static_cast<int>(k.size(2));
   if (mask.has_value()) {
     check_cuda(*mask, "mask");
-    TORCH_CHECK(mask->dim() == 2 && (mask->size(0) == 1 || mask->size(0) == q.size(0)) && mask->size(1) == k.size(2),
+    TORCH_CHECK(mask->dim() == 2 && (mask->size(0) == 1 || mask->size(0) == batch) && mask->size(1) == k.size(2),
                 "mask must be (B or 1, L)");
-    TORCH_CHECK(mask->scalar_type() == at::kBool || mask->scalar_type() == q.scalar_type(),
+    TORCH_CHECK(mask->scalar_type() == at::kBool || mask->scalar_type() == like.scalar_type(),
                 "mask must be bool or q's dtype");
     a.mask = mask->data_ptr();
     a.mask_kind = mask->scalar_type() == at::kBool ? qp::MASK_BOOL : qp::MASK_ADDITIVE;
     a.mask_batch_stride = mask->size(0) == 1 ? 0 : mask->size(1);
   }
-  auto out = at::empty_like(q);
+  a.k = k.data_ptr();
+  a.v = v.data_ptr();
+  a.dtype = dtype_code(like);
+  return a;
+}
+
+// Runs the kernel(s) of `a` into a new (B, H, D) output (the split partials allocated here).
+at::Tensor run_attention(qp::DecodeAttentionArgs& a, const at::Tensor& like, int64_t stream, int64_t num_sms) {
+  auto out = at::empty({a.batch, a.heads, a.head_dim}, like.options());
   const int splits = qp::decode_attention_splits(a.batch, a.kv_heads, a.length, static_cast<int>(num_sms));
   at::Tensor partial;
   if (splits > 1) {
-    partial = at::empty({static_cast<int64_t>(a.batch) * a.heads * splits * (a.head_dim + 2)}, q.options().dtype(at::kFloat));
+    partial = at::empty({static_cast<int64_t>(a.batch) * a.heads * splits * (a.head_dim + 2)}, like.options().dtype(at::kFloat));
     a.partial = partial.data_ptr<float>();
   }
-  a.q = q.data_ptr();
-  a.k = k.data_ptr();
-  a.v = v.data_ptr();
   a.out = out.data_ptr();
-  a.scale = static_cast<float>(scale);
-  a.dtype = dtype_code(q);
   a.num_sms = static_cast<int>(num_sms);
   a.stream = reinterpret_cast<void*>(stream);
   check(qp::decode_attention(a), "qpalette decode attention");
   return out;
+}
+
+// Decode attention out (B, H, D) of one query token: q (B, H, D), k and v (B, KV, L, D), mask
+// (B or 1, L) bool or in q's dtype (additive), or none (qpalette_kernels.h, decode_attention.cu).
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const c10::optional<at::Tensor>& mask, double scale, int64_t stream, int64_t num_sms) {
+  check_cuda(q, "q");
+  TORCH_CHECK(q.dim() == 3, "q must be (B, H, D)");
+  qp::DecodeAttentionArgs a = attention_args(k, v, mask, q.size(0), q.size(1), q.size(2), q);
+  a.q = q.data_ptr();
+  a.q_stride = q.size(1) * q.size(2);
+  a.scale = static_cast<float>(scale);
+  return run_attention(a, q, stream, num_sms);
+}
+
+// The new token's attention with rope and the cache update in the kernel (decode_attention.cu):
+// q (B, H·D), k_new and v_new (B, KV·D) rows of its projections (last dim contiguous, k_new and v_new
+// one row stride), cos and sin (B or 1, D), caches k and v (B, KV, L, D) written at slot (one
+// int64), mask as decode_attention's → (B, H, D).
+at::Tensor rope_cache_attention(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
+                                const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k, const at::Tensor& v,
+                                const at::Tensor& slot, const c10::optional<at::Tensor>& mask,
+                                double scale, int64_t stream, int64_t num_sms) {
+  const int64_t head_dim = k.size(3), batch = q.size(0);
+  TORCH_CHECK(q.dim() == 2 && k_new.dim() == 2 && v_new.sizes() == k_new.sizes() && q.size(1) % head_dim == 0 &&
+                  k_new.size(1) == k.size(1) * head_dim && k_new.size(0) == batch,
+              "q must be (B, H·D), k_new and v_new (B, KV·D)");
+  for (const at::Tensor* t : {&q, &k_new, &v_new, &cos, &sin}) {
+    TORCH_CHECK(t->is_cuda() && t->device() == k.device() && t->scalar_type() == k.scalar_type() && t->stride(-1) == 1,
+                "q, k_new, v_new, cos and sin: CUDA tensors of the caches' device and dtype, last dim contiguous");
+  }
+  TORCH_CHECK(k_new.stride(0) == v_new.stride(0), "k_new and v_new must share a row stride");
+  TORCH_CHECK((v_new.stride(0) * v_new.element_size()) % 16 == 0 && reinterpret_cast<uintptr_t>(v_new.data_ptr()) % 16 == 0,
+              "v_new rows must be 16-byte aligned");
+  TORCH_CHECK(cos.dim() == 2 && sin.sizes() == cos.sizes() && cos.size(1) == head_dim &&
+                  (cos.size(0) == 1 || cos.size(0) == batch) && sin.stride(0) == cos.stride(0),
+              "cos and sin must be (B or 1, D) with one row stride");
+  TORCH_CHECK(slot.is_cuda() && slot.device() == k.device() && slot.scalar_type() == at::kLong && slot.numel() == 1,
+              "slot must be one int64 on the caches' device");
+  qp::DecodeAttentionArgs a = attention_args(k, v, mask, batch, q.size(1) / head_dim, head_dim, q);
+  a.q = q.data_ptr();
+  a.q_stride = q.stride(0);
+  a.k_new = k_new.data_ptr();
+  a.v_new = v_new.data_ptr();
+  a.new_stride = k_new.stride(0);
+  a.cos = cos.data_ptr();
+  a.sin = sin.data_ptr();
+  a.cos_stride = cos.size(0) == 1 ? 0 : cos.stride(0);
+  a.slot = reinterpret_cast<const long long*>(slot.data_ptr<int64_t>());
+  a.scale = static_cast<float>(scale);
+  return run_attention(a, q, stream, num_sms);
 }
 
 }  // namespace
@@ -320,5 +373,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequant", &dequant, "dequantize to a dense matrix");
   m.def("hadamard", &hadamard, "y = H(s ⊙ x) over rows");
   m.def("decode_attention", &decode_attention, "attention of one query token over a grouped-query cache");
+  m.def("rope_cache_attention", &rope_cache_attention,
+        "decode attention with the new token's rope and cache update in the kernel");
   m.def("viterbi", &viterbi, "tail-biting TCQ Viterbi paths of 16×16 tiles");
 }

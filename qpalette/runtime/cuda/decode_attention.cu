@@ -14,6 +14,11 @@
 // the 32 probabilities come by shuffle. The 4 warps' (max, sum, acc) merge in shared memory; with one
 // split that is the output, else a partial (acc, max, sum) per (b, kv, split, g) that
 // decode_attention_combine merges over the splits. Fully masked: output 0.
+// rope_cache_attention (a.cos set): q, k_new, v_new are the new token's projections before rope. Each
+// CTA ropes its G queries; the CTA whose keys hold the new token's slot ropes the new key, writes it
+// and the new value to the caches and uses them from shared memory and from v_new (its own loads of
+// that row are replaced, so no CTA reads a row this kernel writes), which removes transformers'
+// rope and cache-update kernels between the q/k/v GEMV and the attention.
 // The last kernel of the two lets the next one start at once (programmatic dependent launch): the
 // next is usually o_proj's GEMV, whose table fill and first code loads then overlap the attention;
 // it reads the attention's output only after griddepcontrol.wait.
@@ -69,6 +74,13 @@ __device__ __forceinline__ float mask_term(const DecodeAttentionArgs& a, int b, 
   return Cvt<T>::to_float(static_cast<const T*>(a.mask)[at]);
 }
 
+// x[d]·cos[d] + rotate_half(x)[d]·sin[d] in fp32, rounded to T (transformers' apply_rotary_pos_emb)
+template <class T, int D>
+__device__ __forceinline__ T roped(const T* x, const T* cs, const T* sn, int d) {
+  const float r = d < D / 2 ? -Cvt<T>::to_float(x[d + D / 2]) : Cvt<T>::to_float(x[d - D / 2]);
+  return Cvt<T>::from_float(Cvt<T>::to_float(x[d]) * Cvt<T>::to_float(cs[d]) + r * Cvt<T>::to_float(sn[d]));
+}
+
 template <class T, int D, int G>
 __global__ void __launch_bounds__(WARPS * 32) decode_attention_kernel(DecodeAttentionArgs a, int chunk, int splits) {
   if (splits == 1) pdl_launch_dependents();
@@ -81,39 +93,68 @@ __global__ void __launch_bounds__(WARPS * 32) decode_attention_kernel(DecodeAtte
   __shared__ __align__(16) unsigned char pool[STAGE_BYTES > SUM_BYTES ? STAGE_BYTES : SUM_BYTES];
   __shared__ __align__(16) float qs[G][D];
   __shared__ float red_m[WARPS][G], red_l[WARPS][G];
+  __shared__ __align__(16) T knew[D];  // rope: the new token's roped key
   const int bk = blockIdx.y, b = bk / a.kv_heads, kvh = bk % a.kv_heads;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   T* staged = reinterpret_cast<T*>(pool) + warp * 32 * D;
-  const T* q = static_cast<const T*>(a.q) + (static_cast<long long>(b) * a.heads + kvh * G) * D;
+  const T* q = static_cast<const T*>(a.q) + b * a.q_stride + kvh * G * D;
   const long long head = static_cast<long long>(bk) * a.length * D;
   const T* keys = static_cast<const T*>(a.k) + head;
   const T* values = static_cast<const T*>(a.v) + head;
   const int begin = blockIdx.x * chunk;
   const int end = min(begin + chunk, a.length);
+  const bool rope = a.cos != nullptr;
+  const long long slot = rope ? *a.slot : -1;  // the new token's row (rope), else none
+  const T* vnew = rope ? static_cast<const T*>(a.v_new) + b * a.new_stride + kvh * D : nullptr;
   // a block's value rows start copying to shared memory, its key rows and mask terms to registers
   auto stage_values = [&](int base) {
     const int n = min(32, end - base);
-    for (int c = lane; c < n * ROW_CHUNKS; c += 32)
-      cp_async16(staged + c * 8, values + static_cast<long long>(base) * D + c * 8);
+    for (int c = lane; c < n * ROW_CHUNKS; c += 32) {
+      const long long row = base + c / ROW_CHUNKS;
+      const int piece = (c % ROW_CHUNKS) * 8;
+      cp_async16(staged + c * 8, row == slot ? vnew + piece : values + row * D + piece);
+    }
   };
   uint4 u[ROW_CHUNKS];
   float bias = 0.f;
-  auto load_keys = [&](int base) {
+  // the new token's key comes from knew (once staged: `fresh`), not from the row being written
+  auto load_keys = [&](int base, bool fresh) {
     const int j = base + lane;
     if (j < end) {
       const uint4* row = reinterpret_cast<const uint4*>(keys + static_cast<long long>(j) * D);
+      if (j != slot) {
 #pragma unroll
-      for (int c = 0; c < ROW_CHUNKS; ++c) u[c] = __ldg(row + c);
+        for (int c = 0; c < ROW_CHUNKS; ++c) u[c] = __ldg(row + c);
+      } else if (fresh) {
+#pragma unroll
+        for (int c = 0; c < ROW_CHUNKS; ++c) u[c] = reinterpret_cast<const uint4*>(knew)[c];
+      }
       bias = mask_term<T>(a, b, j);
     }
   };
   int base = begin + warp * 32;
   if (base < end) {  // the first block's loads in flight while the queries are staged
     stage_values(base);
-    load_keys(base);
+    load_keys(base, false);
   }
-  for (int i = threadIdx.x; i < G * D; i += blockDim.x) qs[i / D][i % D] = Cvt<T>::to_float(q[i]) * a.scale;
+  if (rope) {
+    const T* cs = static_cast<const T*>(a.cos) + b * a.cos_stride;
+    const T* sn = static_cast<const T*>(a.sin) + b * a.cos_stride;
+    for (int i = threadIdx.x; i < G * D; i += blockDim.x)
+      qs[i / D][i % D] = Cvt<T>::to_float(roped<T, D>(q + (i / D) * D, cs, sn, i % D)) * a.scale;
+    if (slot >= begin && slot < end) {  // this CTA's keys hold the new token
+      const T* k_new = static_cast<const T*>(a.k_new) + b * a.new_stride + kvh * D;
+      for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        knew[d] = roped<T, D>(k_new, cs, sn, d);
+        const_cast<T*>(keys)[slot * D + d] = knew[d];
+        const_cast<T*>(values)[slot * D + d] = vnew[d];
+      }
+    }
+  } else {
+    for (int i = threadIdx.x; i < G * D; i += blockDim.x) qs[i / D][i % D] = Cvt<T>::to_float(q[i]) * a.scale;
+  }
   __syncthreads();
+  if (base < end && base + lane == slot) load_keys(base, true);
   float m[G], l[G], acc[G][PER_LANE];
 #pragma unroll
   for (int g = 0; g < G; ++g) {
@@ -148,7 +189,7 @@ __global__ void __launch_bounds__(WARPS * 32) decode_attention_kernel(DecodeAtte
 #pragma unroll
       for (int g = 0; g < G; ++g) s[g] = -INFINITY;
     }
-    if (base + WARPS * 32 < end) load_keys(base + WARPS * 32);  // the next block's keys during this one's values
+    if (base + WARPS * 32 < end) load_keys(base + WARPS * 32, true);  // the next block's keys during this one's values
 #pragma unroll
     for (int g = 0; g < G; ++g) {  // online softmax; s[g] becomes this key's weight
       const float m_new = fmaxf(m[g], warp_max(s[g]));

@@ -114,6 +114,18 @@ struct DecodeAttentionArgs {
   void* out;
   float* partial;
   int batch, heads, kv_heads, length, head_dim;
+  long long q_stride;  // elements between batch rows of q
+  // The new token (rope_cache_attention; plain decode attention when cos is null): q, k_new and
+  // v_new are its projections before rope (k_new and v_new rows new_stride elements apart), cos and
+  // sin (B or 1, D) its rope factors (cos_stride 0: one row for the batch). The kernel applies
+  // rope to q and to the new key and writes the key and value to slot *slot of k and v (the caches).
+  const void* k_new;
+  const void* v_new;
+  long long new_stride;
+  const void* cos;
+  const void* sin;
+  long long cos_stride;
+  const long long* slot;
   float scale;
   int dtype;
   int num_sms;
