@@ -23,15 +23,16 @@ def _decode_logits(model, steps: int = 4, batch: int = 2, prompt: int = 5, compi
     cache = static_cache(model.config, batch, prompt + steps, model.device, model.dtype)
     pos = torch.arange(prompt + steps, device=model.device)
     ids = random_prompt(model, batch, prompt, seed=1)
+    from qpalette.models.walk import cache_kwarg
+
     forward = torch.compile(model.forward) if compiled else model.forward
-    out = []
+    out, kw = [], {cache_kwarg(model): cache}
     with torch.no_grad():
-        logits = model(input_ids=ids, past_key_values=cache, cache_position=pos[:prompt],
-                       position_ids=pos[None, :prompt]).logits
+        logits = model(input_ids=ids, cache_position=pos[:prompt], position_ids=pos[None, :prompt], **kw).logits
         for i in range(prompt, prompt + steps):
             token = logits[:, -1:].argmax(-1) if tokens is None else tokens[:, i - prompt:i - prompt + 1]
-            logits = forward(input_ids=token, past_key_values=cache, cache_position=pos[i:i + 1],
-                             position_ids=pos[None, i:i + 1]).logits
+            logits = forward(input_ids=token, cache_position=pos[i:i + 1], position_ids=pos[None, i:i + 1],
+                             **kw).logits
             out.append(logits[:, -1])
     return torch.stack(out, 1)
 
@@ -275,3 +276,43 @@ def test_rope_attention_leaves_other_calls_to_transformers(tiny_llama_dir, rope_
     from qpalette.generation.attention import rope_attention_count
 
     assert use_packed_attention(_load(tiny_llama_dir)) and rope_attention_count(_load(tiny_llama_dir)) == 0
+
+
+@pytest.mark.gpu
+def test_rope_attention_in_the_fused_blocks_of_a_quantized_model(tmp_path):
+    """A tcq-2.0 checkpoint on CUDA (batch 1: blocks fused into their GEMVs, hidden 256, head dim 64)
+    decoding against a StaticCache, eager and compiled, and through qpalette's decoder: the one-kernel
+    attention gives transformers' attention forward's logits and tokens within fp16 rounding."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from helpers import run_compress
+
+    from qpalette.generation import Decoder, SamplingOptions
+    from qpalette.generation.attention import (
+        install_rope_attention,
+        remove_rope_attention,
+        rope_attention_count,
+    )
+    from qpalette.runtime.loading import load_model
+    from qpalette.runtime.modules import fused_block_count
+    from tests.tiny_llama import make_tiny_llama
+
+    src = make_tiny_llama(tmp_path / "src", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                          num_key_value_heads=2)
+    run_compress(src, tmp_path / "q", scheme="tcq-2.0")
+    model, _ = load_model(tmp_path / "q", "cuda", torch.float16, tokenizer=False)
+    layers = len(model.model.layers)
+    assert rope_attention_count(model) == layers and fused_block_count(model) == layers
+    feed = torch.randint(model.config.vocab_size, (1, 4), generator=torch.Generator().manual_seed(5)).cuda()
+    prompts = [[5, 6, 7, 8, 9, 10]]
+    results = {}
+    for fused in (True, False):
+        for m in model.modules():
+            install_rope_attention(m) if fused else remove_rope_attention(m)
+        torch._dynamo.reset()
+        results[fused] = (_decode_logits(model, batch=1, tokens=feed).float(),
+                          _decode_logits(model, batch=1, tokens=feed, compiled=True).float(),
+                          Decoder(model).generate_ids(prompts, 6, SamplingOptions(), stop_at_eos=False).tokens)
+    for mine, theirs in zip(results[True][:2], results[False][:2]):
+        assert ((mine - theirs).norm() / theirs.norm()).item() < 1e-2
+    assert results[True][2] == results[False][2]

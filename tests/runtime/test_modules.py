@@ -339,6 +339,7 @@ def test_fused_block_on_the_kernels_equals_its_own_forward(tiny_llama_dir, tmp_p
     from helpers import run_compress
     from tiny_llama import make_tiny_llama
 
+    from qpalette.models.walk import cache_kwarg
     from qpalette.runtime.loading import load_model
 
     src = make_tiny_llama(tmp_path / "src", hidden_size=256, intermediate_size=512, num_attention_heads=4,
@@ -347,12 +348,13 @@ def test_fused_block_on_the_kernels_equals_its_own_forward(tiny_llama_dir, tmp_p
     model, _ = load_model(tmp_path / "q", "cuda", torch.float16, tokenizer=False)
     ids = torch.tensor([[5, 17, 200]], device="cuda")
     calls = _count_fused_ops(monkeypatch)
+    cache = cache_kwarg(model)
     with torch.no_grad():
         out = model(ids[:, :1], use_cache=True)
-        fused = model(ids[:, 1:2], past_key_values=out.past_key_values).logits.float()
+        fused = model(ids[:, 1:2], **{cache: getattr(out, cache)}).logits.float()
         assert calls["normed+residual"] == 2 * len(model.model.layers)
         for b in model.model.layers:
             qlinear.remove_fused_block(b)
         out = model(ids[:, :1], use_cache=True)
-        own = model(ids[:, 1:2], past_key_values=out.past_key_values).logits.float()
+        own = model(ids[:, 1:2], **{cache: getattr(out, cache)}).logits.float()
     assert ((fused - own).norm() / own.norm()).item() < 1e-2
