@@ -98,29 +98,20 @@ ROPE_ATTENTION = (("llama", "LlamaAttention"), ("mistral", "MistralAttention"), 
 
 @functools.cache
 def _rope_attention_forwards() -> frozenset:
-    import importlib
+    from qpalette.runtime.modules import forward_codes
 
-    from qpalette.runtime.modules import _code
-
-    codes = set()
-    for module, name in ROPE_ATTENTION:
-        try:
-            codes.add(_code(getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"),
-                                    name).forward))
-        except (ImportError, AttributeError):  # an older transformers without that model
-            continue
-    return frozenset(codes)
+    return forward_codes(ROPE_ATTENTION)
 
 
 def install_rope_attention(module: torch.nn.Module) -> bool:
     """Give an attention module of a ROPE_ATTENTION class (by its forward's code) the one-kernel
     decode forward; True if it did. QPALETTE_FUSED_ATTENTION=0 (read when a model is loaded) keeps
     transformers' forward."""
-    from qpalette.runtime.modules import _code
+    from qpalette.runtime.modules import forward_code
 
     if os.environ.get("QPALETTE_FUSED_ATTENTION", "1") == "0" or not hasattr(type(module), "forward"):
         return False
-    if _code(type(module).forward) not in _rope_attention_forwards():
+    if forward_code(type(module).forward) not in _rope_attention_forwards():
         return False
     module.forward = types.MethodType(_rope_attention_forward, module)
     return True

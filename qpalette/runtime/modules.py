@@ -327,7 +327,7 @@ class FusedSlice(nn.Module):
 SILU_CLASSES = ("SiLU", "SiLUActivation")  # torch's and transformers' (ACT2FN["silu"]) SiLU modules
 
 
-def _code(forward) -> tuple:
+def forward_code(forward) -> tuple:
     """A function's bytecode, names and constants, under its decorators (transformers wraps forwards
     in kwarg-renaming decorators whose wrapper code is the same for every class)."""
     code = inspect.unwrap(forward).__code__
@@ -342,7 +342,7 @@ def _plain_gated_forwards() -> frozenset:
     from transformers.models.llama.modeling_llama import LlamaMLP
 
     from qpalette.models.experts import ExpertMLP
-    return frozenset({_code(LlamaMLP.forward), _code(ExpertMLP.forward)})
+    return frozenset({forward_code(LlamaMLP.forward), forward_code(ExpertMLP.forward)})
 
 
 def gated_parts(mlp: nn.Module) -> tuple[QuantizedLinear, QuantizedLinear] | None:
@@ -379,7 +379,7 @@ def install_gated_mlp(mlp: nn.Module) -> bool:
     group's GEMV (programmatic dependent launch). Calls off the kernels' path (CPU, batch > the
     fused rotation's rows, entries whose GEMV cannot gate, gradients) run the MLP's own way. A
     bound method, not a closure: a deep copy of the model calls its own modules."""
-    if gated_parts(mlp) is None or _code(type(mlp).forward) not in _plain_gated_forwards():
+    if gated_parts(mlp) is None or forward_code(type(mlp).forward) not in _plain_gated_forwards():
         return False
     mlp.forward = types.MethodType(_gated_mlp_forward, mlp)
     return True
@@ -435,9 +435,24 @@ def remove_cache_reset(parent: nn.Module) -> None:
 
 # ---- decoder blocks: the residual adds and RMSNorms inside the GEMVs -----------------------------
 # attention classes whose forward reads its input only through q/k/v_proj (and its shape); their
-# decoder layers and norms are Llama's code (Qwen2/3's and Mistral's are, `_code` says so)
+# decoder layers and norms are Llama's code (Qwen2/3's and Mistral's are, `forward_code` says so)
 PLAIN_ATTENTION = (("llama", "LlamaAttention"), ("qwen2", "Qwen2Attention"), ("qwen3", "Qwen3Attention"),
                    ("mistral", "MistralAttention"))
+
+
+def forward_codes(classes) -> frozenset:
+    """`forward_code` of the forwards of transformers' classes given as (model type, class name); those
+    an older transformers lacks are left out."""
+    import importlib
+
+    codes = set()
+    for module, name in classes:
+        try:
+            codes.add(forward_code(getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"),
+                                           name).forward))
+        except (ImportError, AttributeError):
+            continue
+    return frozenset(codes)
 
 
 @functools.cache
@@ -445,19 +460,10 @@ def _plain_block_forwards() -> dict[str, frozenset]:
     """Bytecode of the modules whose forwards a fused block replaces or skips, as they compute
     nothing else: Llama's decoder layer (norm → attention → add → norm → MLP → add), the attentions
     of PLAIN_ATTENTION and LlamaRMSNorm."""
-    import importlib
-
     from transformers.models.llama import modeling_llama as llama
 
-    attention = set()
-    for module, name in PLAIN_ATTENTION:
-        try:
-            attention.add(_code(getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"),
-                                        name).forward))
-        except (ImportError, AttributeError):  # an older transformers without that model
-            continue
-    return {"layer": frozenset({_code(llama.LlamaDecoderLayer.forward)}), "attention": frozenset(attention),
-            "norm": frozenset({_code(llama.LlamaRMSNorm.forward)})}
+    return {"layer": frozenset({forward_code(llama.LlamaDecoderLayer.forward)}),
+            "attention": forward_codes(PLAIN_ATTENTION), "norm": frozenset({forward_code(llama.LlamaRMSNorm.forward)})}
 
 
 def fused_block_parts(layer: nn.Module) -> tuple[QuantizedLinear, QuantizedLinear, QuantizedLinear] | None:
@@ -480,9 +486,9 @@ def _plain_block(layer: nn.Module) -> bool:
     exactly Llama's (`_plain_block_forwards`)."""
     plain = _plain_block_forwards()
     norms = [getattr(layer, n, None) for n in ("input_layernorm", "post_attention_layernorm")]
-    return (_code(type(layer).forward) in plain["layer"]
-            and _code(type(layer.self_attn).forward) in plain["attention"]
-            and all(n is not None and _code(type(n).forward) in plain["norm"] for n in norms))
+    return (forward_code(type(layer).forward) in plain["layer"]
+            and forward_code(type(layer.self_attn).forward) in plain["attention"]
+            and all(n is not None and forward_code(type(n).forward) in plain["norm"] for n in norms))
 
 
 def _fused_block_forward(self: nn.Module, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
