@@ -165,7 +165,8 @@ def _cache_slot(attn, x, position_embeddings, attention_mask, args, kwargs):
     cache = kwargs.get("past_key_values", kwargs.get("cache"))
     idx = attn.layer_idx
     if isinstance(cache, SlotKVCache):
-        if idx not in cache.keys or cache.write_at is None or cache.write_at.numel() != 1:
+        if (idx not in cache.keys or cache.write_at is None or cache.write_at.numel() != 1
+                or cache.write_at.device != cache.keys[idx].device):  # a model split over GPUs: its update moves it
             return None
         keys, values, slot, length = cache.keys[idx], cache.values[idx], cache.write_at, None
     else:
