@@ -118,15 +118,16 @@ def install_rope_attention(module: torch.nn.Module) -> bool:
 
 
 def remove_rope_attention(module: torch.nn.Module) -> None:
-    forward = module.__dict__.get("forward")
-    if isinstance(forward, types.MethodType) and forward.__func__ is _rope_attention_forward:
-        del module.__dict__["forward"]
+    from qpalette.runtime.modules import uninstall_forward
+
+    uninstall_forward(module, _rope_attention_forward)
 
 
 def rope_attention_count(model: torch.nn.Module) -> int:
     """Attention modules of `model` with the one-kernel decode forward."""
-    return sum(1 for m in model.modules() if isinstance(m.__dict__.get("forward"), types.MethodType)
-               and m.__dict__["forward"].__func__ is _rope_attention_forward)
+    from qpalette.runtime.modules import installed_forward
+
+    return sum(1 for m in model.modules() if installed_forward(m, _rope_attention_forward))
 
 
 def _rope_attention_forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,

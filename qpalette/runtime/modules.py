@@ -386,9 +386,19 @@ def install_gated_mlp(mlp: nn.Module) -> bool:
 
 
 def remove_gated_mlp(mlp: nn.Module) -> None:
-    forward = mlp.__dict__.get("forward")
-    if isinstance(forward, types.MethodType) and forward.__func__ is _gated_mlp_forward:
-        del mlp.__dict__["forward"]
+    uninstall_forward(mlp, _gated_mlp_forward)
+
+
+def installed_forward(module: nn.Module, func) -> bool:
+    """Whether `module` runs `func` as its forward (bound on the instance by an install_* function)."""
+    forward = module.__dict__.get("forward")
+    return isinstance(forward, types.MethodType) and forward.__func__ is func
+
+
+def uninstall_forward(module: nn.Module, func) -> None:
+    """Back to the class's forward where `module` runs `func` (`installed_forward`)."""
+    if installed_forward(module, func):
+        del module.__dict__["forward"]
 
 
 class Codebooks(_KeepsFp16):
@@ -527,13 +537,8 @@ def install_fused_block(layer: nn.Module) -> bool:
 
 def fused_block_count(model: nn.Module) -> int:
     """Decoder layers of `model` running the fused forward (`install_fused_block`)."""
-    return sum(1 for m in model.modules() if _is_fused_forward(m.__dict__.get("forward")))
-
-
-def _is_fused_forward(forward) -> bool:
-    return isinstance(forward, types.MethodType) and forward.__func__ is _fused_block_forward
+    return sum(1 for m in model.modules() if installed_forward(m, _fused_block_forward))
 
 
 def remove_fused_block(layer: nn.Module) -> None:
-    if _is_fused_forward(layer.__dict__.get("forward")):
-        del layer.__dict__["forward"]
+    uninstall_forward(layer, _fused_block_forward)
