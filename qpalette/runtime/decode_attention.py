@@ -119,13 +119,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (xf * cos.float()[:, None] + rotated * sin.float()[:, None]).to(x.dtype)
 
 
-def rope_cache_reference(q, k_new, v_new, cos, sin, key_cache, value_cache, slot, mask, scale):
-    """The pure-PyTorch rope_cache_attention on every device: the rows (B, H·D) / (B, KV·D) roped,
-    the new key and value written at `slot`, then `reference` attention over the caches."""
+def _rope_and_write(q, k_new, v_new, cos, sin, key_cache, value_cache, slot) -> torch.Tensor:
+    """The rows (B, H·D) / (B, KV·D) roped, the new key and value written at `slot`: the roped
+    queries (B, H, D)."""
     b, kv, _, d = key_cache.shape
-    q_rot = apply_rope(q.reshape(b, -1, d), cos, sin)
     key_cache.index_copy_(2, slot.reshape(1), apply_rope(k_new.reshape(b, kv, d), cos, sin)[:, :, None])
     value_cache.index_copy_(2, slot.reshape(1), v_new.reshape(b, kv, 1, d))
+    return apply_rope(q.reshape(b, -1, d), cos, sin)
+
+
+def rope_cache_reference(q, k_new, v_new, cos, sin, key_cache, value_cache, slot, mask, scale):
+    """The pure-PyTorch rope_cache_attention on every device: `_rope_and_write`, then `reference`
+    attention over the caches."""
+    q_rot = _rope_and_write(q, k_new, v_new, cos, sin, key_cache, value_cache, slot)
     return reference(q_rot, key_cache, value_cache, mask, scale)
 
 
@@ -155,7 +161,10 @@ def rope_cache_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
 @rope_cache_attention.register_kernel("cuda")
 def _rope_cache_attention_cuda(q, k_new, v_new, cos, sin, key_cache, value_cache, slot, mask, scale):
     if not rope_kernel_applies(q, k_new, v_new, cos, sin, key_cache, value_cache, slot, mask):
-        return rope_cache_reference(q, k_new, v_new, cos, sin, key_cache, value_cache, slot, mask, scale)
+        # rope and the write in torch, then decode_attention's own choice (its kernel or packed SDPA),
+        # not the float32 reference, which copies the whole cache to float32
+        q_rot = _rope_and_write(q, k_new, v_new, cos, sin, key_cache, value_cache, slot)
+        return _decode_attention_cuda(q_rot, key_cache, value_cache, mask, scale)
     dev = q.device
     with torch.cuda.device(dev):
         return kernel_build.extension(dev).rope_cache_attention(

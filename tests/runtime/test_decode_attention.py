@@ -241,3 +241,20 @@ def test_rope_kernel_in_a_cuda_graph_writes_the_slot_it_reads_at_replay():
         torch.cuda.synchronize()
         torch.testing.assert_close(out.float(), rope_cache_reference(*theirs, None, 0.1).float(), rtol=2e-3, atol=2e-3)
     assert torch.equal(vc[:, :, 100:103], v_new.reshape(2, 8, 1, 128).expand(2, 8, 3, 128))
+
+
+def test_rope_fallback_off_the_kernel_writes_the_caches_and_attends_like_the_reference():
+    """Where the rope kernel does not apply (here: CPU tensors) the CUDA implementation ropes and
+    writes in torch and hands the attention to decode_attention's own choice (packed SDPA here)."""
+    from qpalette.runtime.decode_attention import (
+        _rope_cache_attention_cuda,
+        rope_cache_reference,
+        rope_kernel_applies,
+    )
+
+    args = _rope_inputs(2, 8, 2, 20, 16, mask="additive")
+    assert not rope_kernel_applies(*args)
+    mine, theirs = list(args), [a.clone() for a in args]
+    got = _rope_cache_attention_cuda(*mine, 0.25)
+    torch.testing.assert_close(got, rope_cache_reference(*theirs, 0.25), rtol=1e-5, atol=1e-5)
+    assert torch.equal(mine[5], theirs[5]) and torch.equal(mine[6], theirs[6])
