@@ -109,9 +109,9 @@ def install_rope_attention(module: torch.nn.Module) -> bool:
     transformers' forward."""
     from qpalette.runtime.modules import forward_code
 
-    if os.environ.get("QPALETTE_FUSED_ATTENTION", "1") == "0" or not hasattr(type(module), "forward"):
-        return False
-    if forward_code(type(module).forward) not in _rope_attention_forwards():
+    if (os.environ.get("QPALETTE_FUSED_ATTENTION", "1") == "0"
+            or not all(hasattr(module, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+            or forward_code(type(module).forward) not in _rope_attention_forwards()):
         return False
     module.forward = types.MethodType(_rope_attention_forward, module)
     return True
