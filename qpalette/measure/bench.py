@@ -36,6 +36,7 @@ from qpalette.devices import resolve_device
 from qpalette.errors import InputError
 from qpalette.generation.attention import use_transformers_attention
 from qpalette.generation.hf_compile import MODES, compile_config, compile_kwargs, mode_stop_check
+from qpalette.generation.sampling import argmax_last
 from qpalette.models.walk import cache_kwarg
 from qpalette.runtime.loading import load_model
 from qpalette.runtime.modules import decoded_bytes
@@ -147,7 +148,7 @@ class DecodeLoop:
     def _next_token(self, ids: torch.Tensor, **where) -> torch.Tensor:
         logits = self.model(input_ids=ids, **{self.cache_kw: self.cache}, use_cache=True, logits_to_keep=1,
                             **where).logits
-        return logits[:, -1:].argmax(-1)
+        return argmax_last(logits[:, -1:])
 
     def step(self) -> None:
         if self.graphs:

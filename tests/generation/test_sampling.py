@@ -2,8 +2,12 @@
 
 import torch
 
+import pytest
+
 from qpalette.generation.sampling import (
+    ARGMAX_CHUNK,
     SamplingOptions,
+    argmax_last,
     filtered_logits,
     next_tokens,
     noise_streams,
@@ -45,3 +49,21 @@ def test_greedy_is_argmax():
     logits = torch.randn(4, 50)
     assert torch.equal(next_tokens(logits, SamplingOptions(), torch.zeros(4, dtype=torch.long), torch.tensor(0)),
                        logits.argmax(-1))
+
+
+@pytest.mark.parametrize("vocab", [7, ARGMAX_CHUNK, ARGMAX_CHUNK + 1, 3 * ARGMAX_CHUNK, 1000, 128256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_chunked_argmax_is_torch_argmax(vocab, dtype):
+    """argmax_last against torch.argmax on fresh rows: ties (the first wins, across and inside
+    chunks), NaN (counts as the maximum), all -inf, padding past a vocabulary that is no multiple
+    of the chunk; eager and compiled."""
+    gen = torch.Generator().manual_seed(vocab)
+    rows = torch.randint(-3, 4, (6, 2, vocab), generator=gen).to(dtype)  # many ties
+    rows[1, 0] = float("-inf")
+    rows[2, 1, vocab // 3] = float("nan")
+    rows[2, 1, vocab - 1] = float("nan")
+    rows[3, 0, vocab - 1] = 100  # the maximum in the padded chunk
+    rows[4] = torch.randn(2, vocab, generator=gen).to(dtype)
+    expect = rows.argmax(-1)
+    assert torch.equal(argmax_last(rows), expect)
+    assert torch.equal(torch.compile(argmax_last, dynamic=False)(rows), expect)
