@@ -259,10 +259,7 @@ __device__ __forceinline__ void stage_x(const GemvParams& p, uint32_t* xs, int r
 // the segments' 2^m-point transforms run side by side. K = 1: each thread loads its own chunk.
 // K > 1: the whole row, signs applied (exact), is first staged in z (2n bytes ≤ z's 8·columns
 // bytes: clusters of at most 4) with all loads in flight, so that the K-term sums read shared
-// memory; with a K split each CTA of the cluster forms 1/cs of that row (the loads, and for a
-// gated input the SiLU) and writes it into every CTA's z (distributed shared memory), instead of
-// each forming all of it; `hneg` (bit a: H_K[segment, a] = −1) was read before the wait for the
-// previous kernel.
+// memory; `hneg` (bit a: H_K[segment, a] = −1) was read before the wait for the previous kernel.
 // Needs unpadded K (cols = groups · 128).
 __device__ __forceinline__ uint64_t rotation_factor_row(const GemvParams& p, int rank) {
   const int ccols = p.cgc * 128;
@@ -270,43 +267,33 @@ __device__ __forceinline__ uint64_t rotation_factor_row(const GemvParams& p, int
   return p.signs && p.rot_k > 1 && threadIdx.x < ccols / 8 ? __ldg(p.hk_neg + seg) : 0ull;
 }
 
-// K > 1 rotation with a K split: the cluster's CTAs form the signed row together (a function of
-// the kernel parameters, not a register kept across the prologue)
-__device__ __forceinline__ bool shares_signed_row(const GemvParams& p) { return p.signs && p.rot_k > 1 && p.cs > 1; }
-
 // GATED: the row is silu(gate) ⊙ up, two loads a chunk (U = 4 chunks a thread in flight: 8 loads,
-// as many registers as the plain staging's U = 8). With a K split (p.cs > 1, at most 4) CTA `rank`
-// forms chunks [rank, rank + 1) · chunks/cs and stores each into the z of every CTA of the cluster
-// (cs divides the chunks: they are 16 a group, and cs the groups).
+// as many registers as the plain staging's U = 8)
 template <class T, int U, bool GATED>
-__device__ __forceinline__ void stage_signed_row(const GemvParams& p, int row, T* raw, int rank) {
-  const int chunks = (p.rot_k << p.log2p2) / 8, share = chunks / p.cs, c0 = rank * share;
+__device__ __forceinline__ void stage_signed_row(const GemvParams& p, int row, T* raw) {
+  const int chunks = (p.rot_k << p.log2p2) / 8;
   const uint4* xr = reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(p.x) + row * p.ldx);
-  for (int base = threadIdx.x; base < share; base += U * blockDim.x) {
+  for (int base = threadIdx.x; base < chunks; base += U * blockDim.x) {
     uint4 v[U], up[GATED ? U : 1];
     uint32_t sb[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int i = base + u * blockDim.x, c = c0 + i;
-      v[u] = i < share ? __ldg(xr + c) : make_uint4(0, 0, 0, 0);
-      if constexpr (GATED) up[u] = i < share ? __ldg(xr + chunks + c) : make_uint4(0, 0, 0, 0);
-      sb[u] = i < share ? __ldg(p.signs + c) : 0u;
+      const int c = base + u * blockDim.x;
+      v[u] = c < chunks ? __ldg(xr + c) : make_uint4(0, 0, 0, 0);
+      if constexpr (GATED) up[u] = c < chunks ? __ldg(xr + chunks + c) : make_uint4(0, 0, 0, 0);
+      sb[u] = c < chunks ? __ldg(p.signs + c) : 0u;
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int i = base + u * blockDim.x, c = c0 + i;
-      if (i < share) {
+      const int c = base + u * blockDim.x;
+      if (c < chunks) {
         float f[8];
         if constexpr (GATED) v[u] = silu_mul<T>(v[u], up[u]);
         signed_chunk<T>(v[u], sb[u], f);
         T o[8];
 #pragma unroll
         for (int e = 0; e < 8; ++e) o[e] = Cvt<T>::from_float(f[e]);
-        const uint4 w = *reinterpret_cast<const uint4*>(o);
-        uint4* dst = reinterpret_cast<uint4*>(raw) + c;
-        if (p.cs == 1) *dst = w;
-        else
-          for (int q = 0; q < p.cs; ++q) store_to_peer(dst, q, w);
+        reinterpret_cast<uint4*>(raw)[c] = *reinterpret_cast<const uint4*>(o);
       }
     }
   }
@@ -360,18 +347,10 @@ __device__ __forceinline__ void stage_x_rotated(const GemvParams& p, uint32_t* x
       if (FORMS && p.norm_w) in = normed_chunk<T>(p, in, other, wn, row, c, active, z + 2 * ccols + (row & 1) * MAX_WARPS);
       if (active) signed_chunk<T>(in, sb, v);
     } else {
-      // every CTA that writes this z has finished the last row's transform (which used z); with a
-      // K split the first row waits on the arrive at the kernel's start (the peers have started)
-      if (p.cs > 1) {
-        if (row > 0) cluster_sync();
-        else cluster_wait();
-      } else if (row > 0) {
-        __syncthreads();
-      }
-      if (FORMS && p.gated) stage_signed_row<T, 2, FORMS>(p, row, reinterpret_cast<T*>(z), rank);
-      else stage_signed_row<T, 4, false>(p, row, reinterpret_cast<T*>(z), rank);
-      if (p.cs > 1) cluster_sync();  // every CTA's share of the row has landed
-      else __syncthreads();
+      if (row > 0) __syncthreads();  // the last row's transform has read z
+      if (FORMS && p.gated) stage_signed_row<T, 4, FORMS>(p, row, reinterpret_cast<T*>(z));
+      else stage_signed_row<T, 8, false>(p, row, reinterpret_cast<T*>(z));
+      __syncthreads();
       if (active)
         for (int a = 0; a < p.rot_k; ++a) {
           const uint4 q = reinterpret_cast<const uint4*>(raw)[((a << p.log2p2) >> 3) + t];
@@ -473,9 +452,6 @@ __device__ __forceinline__ void gemv_body(const GemvParams& p) {
   float* rot = reinterpret_cast<float*>(reinterpret_cast<char*>(cpart) + cpart_bytes(RR, p.cs, p.fr));  // [n]
 
   pdl_launch_dependents();
-  // K > 1 rotation with a K split: the CTAs share the signed row (stage_signed_row); this arrive is
-  // waited on before the first share is written, so the prologue hides the barrier
-  if (shares_signed_row(p)) cluster_arrive();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int rank = p.cs > 1 ? cluster_rank() : 0;
   const int cl = blockIdx.x / p.cs;
@@ -532,9 +508,7 @@ __device__ __forceinline__ void gemv_body(const GemvParams& p) {
   } else {
     stage_x<T>(p, xs, rank);
   }
-  // x is staged; with a K split also: every CTA of the cluster has started (DSMEM), which the
-  // shared row's barriers have already established
-  if (p.cs > 1 && !shares_signed_row(p)) cluster_sync();
+  if (p.cs > 1) cluster_sync();  // also: every CTA of the cluster has started (DSMEM)
   else __syncthreads();
   uint32_t bx[NG * 8][2];
   {
