@@ -148,8 +148,11 @@ def rope_kernel_applies(q, k_new, v_new, cos, sin, key_cache, value_cache, slot,
 
 
 # The slot is only read (a StaticCache layer's length, which the caller advances after the op): with
-# the advance inside the op, a compiled Llama built its mask from the advanced length (CPU, torch 2.13)
-@torch.library.custom_op("qpalette::rope_cache_attention", mutates_args=("key_cache", "value_cache"))
+# the advance inside the op, a compiled Llama built its mask from the advanced length (CPU, torch 2.13).
+# flexible_layout: inductor may pass cos, sin and the mask as the buffers it computed them in; with
+# torch's default (exact eager strides) it computed them again for every layer (a kernel a layer).
+@torch.library.custom_op("qpalette::rope_cache_attention", mutates_args=("key_cache", "value_cache"),
+                         tags=(torch.Tag.flexible_layout,))
 def rope_cache_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cos: torch.Tensor,
                          sin: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot: torch.Tensor,
                          mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:

@@ -251,6 +251,28 @@ def test_rope_attention_equals_transformers_on_a_static_cache(tiny_llama_dir, ro
     assert rope_attention_count(model) == 0
 
 
+def test_compiled_layers_share_one_cos_sin_and_mask(tmp_path, rope_calls):
+    """Compiled, every layer's rope_cache_attention reads the same cos, sin and mask buffers: one
+    kernel a step computes them (without the op's flexible_layout tag inductor made a copy for
+    each layer: a mask kernel a layer, 32 a step on Llama-3.1-8B)."""
+    import re
+
+    from tiny_llama import make_tiny_llama
+    from torch._inductor.utils import run_and_get_code
+
+    model = _load(make_tiny_llama(tmp_path, num_hidden_layers=4))
+    assert use_packed_attention(model)
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(force_disable_caches=True):  # a cached graph would not show the code
+        _, codes = run_and_get_code(lambda: _decode_logits(model, steps=2, batch=1, compiled=True))
+    calls = [c for code in codes for c in re.findall(r"torch\.ops\.qpalette\.rope_cache_attention\.default\((.*)\)",
+                                                      code)]
+    names = [re.findall(r"\b(?:buf|arg)\w+", c) for c in calls]  # tensor arguments in order
+    assert len(names) == 4 and all(len(n) == 9 for n in names)
+    for i in (3, 4, 8):  # cos, sin, mask
+        assert len({n[i] for n in names}) == 1, [n[i] for n in names]
+
+
 def test_rope_attention_in_the_decoder_with_left_padding(tiny_llama_dir, rope_calls):
     """qpalette's decoder (its SlotKVCache, written at `write_at`) picks the same tokens."""
     from qpalette.generation import Decoder, SamplingOptions
