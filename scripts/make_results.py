@@ -172,7 +172,7 @@ def kernels(bench: dict, figdir: Path, updated: set[str] = frozenset()) -> list[
     return out + [""]
 
 
-SPEED_RUNS = "speed_llama8b_v7"  # the latest decode-speed runs (results/<this>/bench_*.json, plan_*.json)
+SPEED_RUNS = "speed_llama8b_v9"  # the latest decode-speed runs (results/<this>/bench_*.json, plan_*.json)
 
 
 def speed(folder: Path, figdir: Path) -> list[str]:
@@ -195,7 +195,7 @@ def speed(folder: Path, figdir: Path) -> list[str]:
                "speedN: the plan for N tok/s (lm_head 16-bit: the reference sensitivities have no lm_head "
                "coefficient); `…_before`: the same checkpoint on an earlier tree's kernels in the same run; "
                f"– where a run timed the loop only. Which run measured which file: `results/{folder.name}/README.md`. "
-               "Earlier runs: `results/speed_llama8b_v2/` … `_v6/`, `results/speed_llama8b/` (v1 kernels).")
+               "Earlier runs: `results/speed_llama8b_v2/` … `_v8/`, `results/speed_llama8b/` (v1 kernels).")
     out += ["", "| model | plan budget | batch | loop tok/s | loop × FP16 | generate tok/s | generate × FP16 | "
             "loop throughput | planned tok/s | loop / planned |", "|---|---|---|---|---|---|---|---|---|---|"]
     fp_rows = {r["batch_size"]: r for r in fp["rows"]}
