@@ -91,8 +91,8 @@ def filtered_logits(logits: torch.Tensor, opts: SamplingOptions) -> torch.Tensor
 
 
 # Vocabulary chunks whose maxima the greedy pick takes first. Compiled, one `argmax` over a 128k
-# vocabulary is one program a row: a 21 µs kernel on an H100 (results/speed_llama8b_v7/
-# breakdown_2bit.json), which the chunks spread over the SMs. 256 divides Llama-3's 128256.
+# vocabulary is one program a row: a 20.9 µs kernel a step on an H100, two kernels of 1.7 and 1.6 µs
+# this way (results/speed_llama8b_v7/ and _v9/breakdown_2bit.json). 256 divides Llama-3's 128256.
 ARGMAX_CHUNK = 256
 
 

@@ -1,8 +1,7 @@
 """The device-side token choice: hash noise, filters, Gumbel-max sampling."""
 
-import torch
-
 import pytest
+import torch
 
 from qpalette.generation.sampling import (
     ARGMAX_CHUNK,
