@@ -34,10 +34,14 @@ def test_make_results_regenerates_report_from_results(tmp_path):
     targets = text[text.index("## Targets"):]
     plans = sorted(speed.glob("plan_speed*.json"))
     assert plans and targets.count("| speed plan ") == len(plans)
-    for plan_file in plans:  # the loop's tok/s over the plan's, from the files
+    for plan_file in plans:  # the loop's tok/s over the plan's, from the files; an untimed plan says so
         key = plan_file.stem.removeprefix("plan_")
         planned = json.loads(plan_file.read_text())["totals"]["tok_per_s"]
-        loop = json.loads((speed / f"bench_{key}.json").read_text())["rows"][0]["loop_tok_per_s"]
+        bench = speed / f"bench_{key}.json"
+        if not bench.is_file():
+            assert f"| speed plan {key} lands within 5% of its planned tok/s | not timed ({planned:.1f} planned) | – |" in targets
+            continue
+        loop = json.loads(bench.read_text())["rows"][0]["loop_tok_per_s"]
         assert f"| speed plan {key} lands within 5% of its planned tok/s | loop {loop / planned:.3f} of {planned:.1f} |" in targets
     assert "host time of one graph call" in text
     update = json.loads((ROOT / "results" / script.KERNEL_UPDATE).read_text())["rows"]
