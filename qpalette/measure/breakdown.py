@@ -54,18 +54,27 @@ def breakdown(model, batch: int, steps: int, prompt_len: int = 64) -> dict:
         for _ in range(steps):
             loop.step()
         torch.cuda.synchronize()
-    per_kind, per_kernel, launches = defaultdict(float), defaultdict(float), defaultdict(int)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            k, t = kind_of(e.name), e.time_range.elapsed_us() / 1e6 / steps
-            per_kind[k] += t
-            per_kernel[e.name[:90]] += t
-            launches[k] += 1
+    return aggregate([(e.name, e.time_range.elapsed_us()) for e in prof.events()
+                      if e.device_type == torch.autograd.DeviceType.CUDA], steps)
+
+
+def aggregate(kernels: list[tuple[str, float]], steps: int) -> dict:
+    """Per-step sums of (kernel name, µs) over `steps` steps: by kind, and for the 15 costliest names
+    their time and launches (a name launched once a layer is a per-layer kernel)."""
+    per_kind, per_kernel, launches, calls = defaultdict(float), defaultdict(float), defaultdict(int), defaultdict(int)
+    for name, us in kernels:
+        k, t = kind_of(name), us / 1e6 / steps
+        per_kind[k] += t
+        per_kernel[name[:90]] += t
+        launches[k] += 1
+        calls[name[:90]] += 1
+    top = dict(sorted(per_kernel.items(), key=lambda kv: -kv[1])[:15])
     return {
         "kinds_s": dict(sorted(per_kind.items(), key=lambda kv: -kv[1])),
         "kernels_per_step": {k: v / steps for k, v in launches.items()},
         "kernel_sum_s": sum(per_kind.values()),
-        "top_kernels_s": dict(sorted(per_kernel.items(), key=lambda kv: -kv[1])[:15]),
+        "top_kernels_s": top,
+        "top_kernel_launches_per_step": {n: calls[n] / steps for n in top},
     }
 
 
@@ -110,7 +119,7 @@ def main() -> None:
     for k, v in res["kinds_s"].items():
         print(f"  {k:56s} {v * 1e3:8.3f} ms  ({res['kernels_per_step'][k]:.0f} kernels)")
     for k, v in res["top_kernels_s"].items():
-        print(f"    {v * 1e6:8.1f} us  {k}")
+        print(f"    {v * 1e6:8.1f} us  ({res['top_kernel_launches_per_step'][k]:g} a step)  {k}")
     if a.json:
         a.json.write_text(json.dumps(res, indent=1) + "\n")
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from qpalette.measure.breakdown import kind_of
+from qpalette.measure.breakdown import aggregate, kind_of
 
 
 @pytest.mark.parametrize("name, kind", [
@@ -21,3 +21,15 @@ from qpalette.measure.breakdown import kind_of
 ])
 def test_breakdown_kinds(name, kind):
     assert kind_of(name).startswith(kind)
+
+
+def test_aggregate_counts_time_and_launches_per_step():
+    """Two steps of a toy model: a GEMV a layer (2 layers), one cache add a layer, one argmax."""
+    gemv, add, arg = "void qp::gemv_kernel<qp::TcqLanes<4, 9>>(qp::GemvParams)", "triton_poi_fused_add_copy__8", "triton_argmax"
+    step = [(gemv, 10.0), (add, 1.0), (gemv, 12.0), (add, 1.0), (arg, 3.0)]
+    res = aggregate(step * 2, steps=2)
+    assert res["kinds_s"] == {"qpalette matmul": pytest.approx(22e-6), "inductor fused (triton)": pytest.approx(5e-6)}
+    assert res["kernels_per_step"] == {"qpalette matmul": 2, "inductor fused (triton)": 3}
+    assert res["kernel_sum_s"] == pytest.approx(27e-6)
+    assert list(res["top_kernels_s"]) == [gemv, arg, add]  # costliest first
+    assert res["top_kernel_launches_per_step"] == {gemv: 2, arg: 1, add: 2}
