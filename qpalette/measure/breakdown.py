@@ -54,8 +54,12 @@ def breakdown(model, batch: int, steps: int, prompt_len: int = 64) -> dict:
         for _ in range(steps):
             loop.step()
         torch.cuda.synchronize()
-    return aggregate([(e.name, e.time_range.elapsed_us()) for e in prof.events()
-                      if e.device_type == torch.autograd.DeviceType.CUDA], steps)
+    kernels = sorted((e.time_range.start, e.name, e.time_range.elapsed_us()) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    res = aggregate([(name, us) for _, name, us in kernels], steps)
+    res["matmul_us_by_position"] = matmul_positions(
+        [us for _, name, us in kernels if kind_of(name) == "qpalette matmul"], steps, model.config.num_hidden_layers)
+    return res
 
 
 def aggregate(kernels: list[tuple[str, float]], steps: int) -> dict:
@@ -76,6 +80,22 @@ def aggregate(kernels: list[tuple[str, float]], steps: int) -> dict:
         "top_kernels_s": top,
         "top_kernel_launches_per_step": {n: calls[n] / steps for n in top},
     }
+
+
+def matmul_positions(durations_us: list[float], steps: int, layers: int) -> dict:
+    """Mean µs of the qpalette matmuls by their place in the step, from their durations in launch
+    order: a step of k matmuls a block over `layers` blocks and t after them (lm_head) gives k
+    `per_block` means (e.g. qkv, o, gate/up, down, each over the layers and steps) and the t
+    `after_blocks` ones; the isolated kernel benchmark's µs set beside these show what running inside
+    the model costs each projection. Empty when the step has fewer matmuls than blocks."""
+    n = len(durations_us) // steps if steps else 0
+    k = n // layers if layers else 0
+    if k == 0:
+        return {"per_block": [], "after_blocks": []}
+    steps_us = [durations_us[i * n:(i + 1) * n] for i in range(steps)]
+    per_block = [sum(s[l * k + j] for s in steps_us for l in range(layers)) / (steps * layers) for j in range(k)]
+    after = [sum(s[j] for s in steps_us) / steps for j in range(k * layers, n)]
+    return {"per_block": per_block, "after_blocks": after}
 
 
 def host_call_time(model, batch: int, calls: int = 20, prompt_len: int = 64) -> float:
@@ -120,6 +140,10 @@ def main() -> None:
         print(f"  {k:56s} {v * 1e3:8.3f} ms  ({res['kernels_per_step'][k]:.0f} kernels)")
     for k, v in res["top_kernels_s"].items():
         print(f"    {v * 1e6:8.1f} us  ({res['top_kernel_launches_per_step'][k]:g} a step)  {k}")
+    pos = res["matmul_us_by_position"]
+    if pos["per_block"]:
+        print("  qpalette matmuls a block, in launch order (us): " + ", ".join(f"{v:.2f}" for v in pos["per_block"])
+              + "; after the blocks: " + ", ".join(f"{v:.2f}" for v in pos["after_blocks"]))
     if a.json:
         a.json.write_text(json.dumps(res, indent=1) + "\n")
 

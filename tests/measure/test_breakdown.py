@@ -2,7 +2,7 @@
 
 import pytest
 
-from qpalette.measure.breakdown import aggregate, kind_of
+from qpalette.measure.breakdown import aggregate, kind_of, matmul_positions
 
 
 @pytest.mark.parametrize("name, kind", [
@@ -33,3 +33,13 @@ def test_aggregate_counts_time_and_launches_per_step():
     assert res["kernel_sum_s"] == pytest.approx(27e-6)
     assert list(res["top_kernels_s"]) == [gemv, arg, add]  # costliest first
     assert res["top_kernel_launches_per_step"] == {gemv: 2, arg: 1, add: 2}
+
+
+def test_matmul_positions_average_each_projection_over_layers_and_steps():
+    """Two steps of 3 blocks × 2 matmuls + a head: position j of every block, averaged, and the head."""
+    step1 = [1.0, 10.0, 2.0, 20.0, 3.0, 30.0, 100.0]
+    step2 = [3.0, 30.0, 2.0, 20.0, 1.0, 10.0, 50.0]
+    res = matmul_positions(step1 + step2, steps=2, layers=3)
+    assert res["per_block"] == pytest.approx([2.0, 20.0])
+    assert res["after_blocks"] == pytest.approx([75.0])
+    assert matmul_positions([5.0], steps=1, layers=3) == {"per_block": [], "after_blocks": []}

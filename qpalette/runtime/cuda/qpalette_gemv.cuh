@@ -129,6 +129,11 @@ __device__ __forceinline__ uint32_t ld_stream1(const uint32_t* p) {
   asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];\n" : "=r"(v) : "l"(p));
   return v;
 }
+__device__ __forceinline__ unsigned short ld_stream_u16(const __half* p) {
+  unsigned short v;
+  asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];\n" : "=h"(v) : "l"(p));
+  return v;
+}
 
 // lane's WPG words of the block at `blk` (planes: block_word)
 template <int WPG>
@@ -452,6 +457,8 @@ __device__ __forceinline__ void gemv_body(const GemvParams& p) {
   float* rot = reinterpret_cast<float*>(reinterpret_cast<char*>(cpart) + cpart_bytes(RR, p.cs, p.fr));  // [n]
 
   pdl_launch_dependents();
+  // K split: "this CTA has started", waited for before the first write into rank 0's shared memory
+  if (p.cs > 1) cluster_arrive_relaxed();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int rank = p.cs > 1 ? cluster_rank() : 0;
   const int cl = blockIdx.x / p.cs;
@@ -508,8 +515,7 @@ __device__ __forceinline__ void gemv_body(const GemvParams& p) {
   } else {
     stage_x<T>(p, xs, rank);
   }
-  if (p.cs > 1) cluster_sync();  // also: every CTA of the cluster has started (DSMEM)
-  else __syncthreads();
+  __syncthreads();
   uint32_t bx[NG * 8][2];
   {
     const int gq = lane >> 2;
@@ -532,10 +538,10 @@ __device__ __forceinline__ void gemv_body(const GemvParams& p) {
   for (int rd = 0; rd < nrounds; ++rd) {
     const int rl = rd * RR + warp, row = r0 + rl;
     const bool doit = reducer && row < r1;
-    float sa = 0.f, sb = 0.f;  // this round's row scales, fetched now, used after the items
+    unsigned short sa_bits = 0, sb_bits = 0;  // this round's row scales, fetched now, used after the items
     if (doit) {
-      sa = __half2float(p.row_scale[row * 16 + gq]);
-      sb = __half2float(p.row_scale[row * 16 + gq + 8]);
+      sa_bits = ld_stream_u16(p.row_scale + row * 16 + gq);
+      sb_bits = ld_stream_u16(p.row_scale + row * 16 + gq + 8);
     }
     if (!reducer && rd >= 2) asm volatile("bar.sync %0, %1;\n" ::"r"(3 + buf), "r"(nt) : "memory");
 #pragma unroll
@@ -559,6 +565,11 @@ __device__ __forceinline__ void gemv_body(const GemvParams& p) {
             make_float4(a0[0] + a1[0], a0[1] + a1[1], a0[2] + a1[2], a0[3] + a1[3]);
       }
     }
+    // the scales are converted only after the items (this empty asm orders it after their loads): a
+    // conversion next to the load, where the compiler put it, stalled the reducers for its latency
+    // at every round's start (ncu: 6% of a gate/up call's stall samples)
+    asm volatile("" : "+h"(sa_bits), "+h"(sb_bits));
+    const float sa = __half2float(__ushort_as_half(sa_bits)), sb = __half2float(__ushort_as_half(sb_bits));
     if (reducer) asm volatile("bar.sync %0, %1;\n" ::"r"(1 + buf), "r"(nt) : "memory");
     else asm volatile("bar.arrive %0, %1;\n" ::"r"(1 + buf), "r"(nt) : "memory");
     float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -578,6 +589,7 @@ __device__ __forceinline__ void gemv_body(const GemvParams& p) {
     if (p.cs == 1) {
       if (doit) store_y<T>(p, row, s, lane);
     } else {
+      if (rd == 0) cluster_wait();  // every CTA of the cluster has started (the arrive at the kernel's start)
       if (doit) cluster_peer(cpart, 0)[((rl % (p.fr * RR)) * p.cs + rank) * 32 + lane] = s;
       if ((rd + 1) % p.fr == 0 || rd + 1 == nrounds) flush_cluster<T>(p, cpart, r0, rd / p.fr * p.fr * RR,
                                                                         min(nrows, (rd + 1) * RR), rank, rd + 1 < nrounds);

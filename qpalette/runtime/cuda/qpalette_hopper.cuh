@@ -15,6 +15,10 @@ __device__ __forceinline__ int cluster_rank() { return static_cast<int>(cooperat
 __device__ __forceinline__ void cluster_sync() { cooperative_groups::this_cluster().sync(); }
 template <class T>
 __device__ __forceinline__ T* cluster_peer(T* p, int rank) { return cooperative_groups::this_cluster().map_shared_rank(p, rank); }
+// cluster_sync in two halves, the arrive without ordering memory: no GPU-wide fence, for a barrier
+// that only has to say "every CTA of the cluster has started" (before distributed shared memory use)
+__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory"); }
 #else
 __device__ __forceinline__ void pdl_launch_dependents() {}
 __device__ __forceinline__ void pdl_wait() {}
@@ -22,6 +26,8 @@ __device__ __forceinline__ int cluster_rank() { return 0; }
 __device__ __forceinline__ void cluster_sync() { __trap(); }
 template <class T>
 __device__ __forceinline__ T* cluster_peer(T* p, int) { __trap(); return p; }
+__device__ __forceinline__ void cluster_arrive_relaxed() { __trap(); }
+__device__ __forceinline__ void cluster_wait() { __trap(); }
 #endif
 
 }  // namespace qp
