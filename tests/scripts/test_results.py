@@ -32,6 +32,10 @@ def test_make_results_regenerates_report_from_results(tmp_path):
     gen = f"{fp16['tok_per_s']:.1f}" if fp16.get("tok_per_s") else "–"  # runs that timed the loop only
     assert f"| fp16 | – | 1 | {fp16['loop_tok_per_s']:.1f} | 1.00× | {gen} |" in text
     targets = text[text.index("## Targets"):]
+    bit2 = json.loads((speed / "bench_2bit.json").read_text())["rows"][0]
+    ways = [f"loop {bit2['loop_tok_per_s'] / fp16['loop_tok_per_s']:.2f}×"] + (  # every way the run timed
+        [f"decoder {bit2['decoder_tok_per_s'] / fp16['decoder_tok_per_s']:.2f}×"] if "decoder_tok_per_s" in bit2 else [])
+    assert f"| 2bit plan ≥ 3.0× FP16 decode tok/s (batch 1) | {', '.join(ways)}," in targets
     plans = sorted(speed.glob("plan_speed*.json"))
     assert plans and targets.count("| speed plan ") == len(plans)
     for plan_file in plans:  # the loop's tok/s over the plan's, from the files; an untimed plan says so
