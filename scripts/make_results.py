@@ -177,7 +177,7 @@ SPEED_RUNS = "speed_llama8b_v10"  # the latest decode-speed runs (results/<this>
 
 def speed(folder: Path, figdir: Path) -> list[str]:
     out = ["## (d) Decode speed: Llama-3.1-8B shapes (random weights), `qpalette bench`", ""]
-    runs = {p.stem.removeprefix("bench_"): load(p) for p in sorted(folder.glob("bench_*.json"))}
+    runs = _bench_runs(folder)
     plans = {p.stem.removeprefix("plan_"): load(p) for p in sorted(folder.glob("plan_*.json"))}
     fp = runs.get("fp16")
     if not runs or not fp:
@@ -391,7 +391,7 @@ def targets(sweep: dict | None, folder: Path) -> list[str]:
         if "msq-4.0" in ppl and "fp" in ppl:
             rel = ppl["msq-4.0"] / ppl["fp"] - 1
             out.append(f"| 4-bit MSQ within 3% of FP16 perplexity | {100 * rel:+.1f}% | {'yes' if rel <= 0.03 else 'no'} |")
-    runs = {p.stem.removeprefix("bench_"): load(p) for p in sorted(folder.glob("bench_*.json"))}
+    runs = _bench_runs(folder)
     b1 = {k: next((r for r in res["rows"] if r["batch_size"] == 1), None) for k, res in runs.items()}
     fp1 = b1.get("fp16")
     for key, need in (("2bit", 3.0), ("4bit", 2.0)):
