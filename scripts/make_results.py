@@ -133,7 +133,8 @@ def kernels(bench: dict, figdir: Path, updated: set[str] = frozenset()) -> list[
            "Full table: `results/kernels_h100/bench_kernels.md`"
            + (f"; {', '.join(sorted(updated))} re-measured later in one run (`results/{KERNEL_UPDATE}`), "
               "whose rows replace the full table's here" if updated else "") + ".", ""]
-    shapes = sorted({r["shape"] for r in rows}, key=lambda s: [r["rows"] * r["cols"] for r in rows if r["shape"] == s][0])
+    size = {r["shape"]: r["rows"] * r["cols"] for r in rows}  # by size, equal sizes by name: a stable order
+    shapes = sorted(size, key=lambda s: (size[s], s))
     big = shapes[-2:] if len(shapes) > 1 else shapes
     fig, axes = plt.subplots(1, len(big), figsize=(6 * len(big), 4.2), squeeze=False)
     for ax, shape in zip(axes[0], big):
