@@ -296,7 +296,7 @@ at::Tensor run_attention(qp::DecodeAttentionArgs& a, const at::Tensor& like, int
   auto out = at::empty({a.batch, a.heads, a.head_dim}, like.options());
   const int splits = qp::decode_attention_splits(a.batch, a.kv_heads, a.length, static_cast<int>(num_sms));
   at::Tensor partial;
-  if (splits > 1) {
+  if (splits > 1 && !qp::decode_attention_clustered(a.batch, a.kv_heads, splits, static_cast<int>(num_sms))) {
     partial = at::empty({static_cast<int64_t>(a.batch) * a.heads * splits * (a.head_dim + 2)}, like.options().dtype(at::kFloat));
     a.partial = partial.data_ptr<float>();
   }

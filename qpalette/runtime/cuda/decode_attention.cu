@@ -12,8 +12,13 @@
 // whole key row and takes its dot products with the G queries (held in shared memory, pre-scaled),
 // the mask, an online softmax per query over the warp; then the values: lane ℓ owns dims ℓ·D/32..,
 // the 32 probabilities come by shuffle. The 4 warps' (max, sum, acc) merge in shared memory; with one
-// split that is the output, else a partial (acc, max, sum) per (b, kv, split, g) that
-// decode_attention_combine merges over the splits. Fully masked: output 0.
+// split that is the output. With 2–8 splits in one wave (a CTA an SM) on a GPU with thread-block
+// clusters (Hopper), the splits of one (b, kv) form a cluster: each CTA leaves its partial (acc, max,
+// sum) in its shared memory and the CTAs merge them through distributed shared memory, each writing
+// a share of the output, so the kernel is the last of the layer's attention and lets the next one
+// start early. Else (more splits or CTAs than SMs, or no clusters) a partial per (b, kv, split, g)
+// goes to global memory and decode_attention_combine merges the splits. H100, 8B heads, batch 1:
+// 9.6 → 9.1 µs at 132 keys, 12.2 → 10.6 µs at 1024 (results/decode_attention_h100/). Fully masked: 0.
 // rope_cache_attention (a.cos set): q, k_new, v_new are the new token's projections before rope. Each
 // CTA ropes its G queries; the CTA whose keys hold the new token's slot ropes the new key, writes it
 // and the new value to the caches and uses them from shared memory and from v_new (its own loads of
@@ -81,9 +86,34 @@ __device__ __forceinline__ T roped(const T* x, const T* cs, const T* sn, int d) 
   return Cvt<T>::from_float(Cvt<T>::to_float(x[d]) * Cvt<T>::to_float(cs[d]) + r * Cvt<T>::to_float(sn[d]));
 }
 
+// The cluster's partials merged: CTA r writes outputs r, r + splits·blockDim, … of the (b, kv) pair's
+// G·D, reading every CTA's `mine` through distributed shared memory. The second barrier keeps each
+// CTA's shared memory alive until every peer has read it.
 template <class T, int D, int G>
-__global__ void __launch_bounds__(WARPS * 32) decode_attention_kernel(DecodeAttentionArgs a, int chunk, int splits) {
-  if (splits == 1) pdl_launch_dependents();
+__device__ __forceinline__ void merge_cluster(const DecodeAttentionArgs& a, float (*mine)[D + 2], int b, int kvh,
+                                              int splits) {
+  cluster_sync();  // every split's partial written (the barrier orders the shared-memory writes)
+  const int rank = cluster_rank();
+  for (int idx = rank * blockDim.x + threadIdx.x; idx < G * D; idx += splits * blockDim.x) {
+    const int g = idx / D, d = idx % D;
+    float mx = -INFINITY, sum = 0.f, out = 0.f;
+    for (int s = 0; s < splits; ++s) mx = fmaxf(mx, cluster_peer(&mine[g][0], s)[D]);
+    for (int s = 0; s < splits; ++s) {
+      const float* part = cluster_peer(&mine[g][0], s);
+      const float wt = part[D] == -INFINITY ? 0.f : __expf(part[D] - mx);
+      sum += part[D + 1] * wt;
+      out += part[d] * wt;
+    }
+    T* o = static_cast<T*>(a.out) + (static_cast<long long>(b) * a.heads + kvh * G + g) * D;
+    o[d] = Cvt<T>::from_float(sum > 0.f ? out / sum : 0.f);
+  }
+  cluster_sync();
+}
+
+template <class T, int D, int G>
+__global__ void __launch_bounds__(WARPS * 32) decode_attention_kernel(DecodeAttentionArgs a, int chunk, int splits,
+                                                                     bool clustered) {
+  if (splits == 1 || clustered) pdl_launch_dependents();
   constexpr int PER_LANE = D / 32;  // value dims a lane owns
   constexpr int ROW_CHUNKS = D / 8;  // 16-byte pieces of a key or value row
   // a warp's 32 value rows, staged while its scores are computed; after the loop the same bytes
@@ -94,6 +124,7 @@ __global__ void __launch_bounds__(WARPS * 32) decode_attention_kernel(DecodeAtte
   __shared__ __align__(16) float qs[G][D];
   __shared__ float red_m[WARPS][G], red_l[WARPS][G];
   __shared__ __align__(16) T knew[D];  // rope: the new token's roped key
+  __shared__ float mine[G][D + 2];      // clustered: this split's partial (acc, max, sum), read by the cluster
   const int bk = blockIdx.y, b = bk / a.kv_heads, kvh = bk % a.kv_heads;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   T* staged = reinterpret_cast<T*>(pool) + warp * 32 * D;
@@ -247,12 +278,16 @@ __global__ void __launch_bounds__(WARPS * 32) decode_attention_kernel(DecodeAtte
     if (splits == 1) {
       T* o = static_cast<T*>(a.out) + (static_cast<long long>(b) * a.heads + kvh * G + g) * D;
       o[d] = Cvt<T>::from_float(sum > 0.f ? out / sum : 0.f);
+    } else if (clustered) {
+      mine[g][d] = out;
+      if (d == 0) mine[g][D] = mx, mine[g][D + 1] = sum;
     } else {
       float* part = a.partial + ((static_cast<long long>(bk) * splits + blockIdx.x) * G + g) * (D + 2);
       part[d] = out;
       if (d == 0) part[D] = mx, part[D + 1] = sum;
     }
   }
+  if (clustered) merge_cluster<T, D, G>(a, mine, b, kvh, splits);
 }
 
 // One block per (b, h), one thread per dim: the splits' partials of decode_attention_kernel merged.
@@ -280,8 +315,25 @@ int launch(const DecodeAttentionArgs& a) {
   auto stream = static_cast<cudaStream_t>(a.stream);
   const int splits = decode_attention_splits(a.batch, a.kv_heads, a.length, a.num_sms);
   const int chunk = (a.length + splits - 1) / splits;
-  decode_attention_kernel<T, D, G><<<dim3(splits, a.batch * a.kv_heads), WARPS * 32, 0, stream>>>(a, chunk, splits);
-  if (splits > 1) decode_attention_combine<T, D><<<a.batch * a.heads, D, 0, stream>>>(a, G, splits);
+  const bool clustered = decode_attention_clustered(a.batch, a.kv_heads, splits, a.num_sms);
+  const dim3 grid(splits, a.batch * a.kv_heads);
+  if (!clustered) {
+    decode_attention_kernel<T, D, G><<<grid, WARPS * 32, 0, stream>>>(a, chunk, splits, false);
+    if (splits > 1) decode_attention_combine<T, D><<<a.batch * a.heads, D, 0, stream>>>(a, G, splits);
+    return cudaGetLastError();
+  }
+  cudaLaunchConfig_t cfg{};
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = splits;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(WARPS * 32);
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  if (cudaError_t e = cudaLaunchKernelEx(&cfg, decode_attention_kernel<T, D, G>, a, chunk, splits, true)) return e;
   return cudaGetLastError();
 }
 
@@ -317,6 +369,21 @@ int decode_attention_splits(int batch, int kv_heads, int length, int num_sms) {
   if (splits < 1) return 1;
   const int chunk = (length + splits - 1) / splits;
   return (length + chunk - 1) / chunk;  // no split left without keys
+}
+
+// Only in one wave: past it, clusters of 5–8 wait for whole free groups of SMs, and batch 8 at
+// 1–2k keys measured 3–10% slower clustered than with the combine kernel (H100).
+bool decode_attention_clustered(int batch, int kv_heads, int splits, int num_sms) {
+  if (splits < 2 || splits > DECODE_ATTENTION_MAX_CLUSTER || batch * kv_heads * splits > num_sms) return false;
+  static int known[64];  // per device: 0 not read, 1 no clusters, 2 clusters (read once: launches are on the decode path)
+  int index = 0;
+  if (cudaGetDevice(&index) != cudaSuccess || index < 0 || index >= 64) return false;
+  if (known[index] == 0) {
+    int yes = 0;
+    if (cudaDeviceGetAttribute(&yes, cudaDevAttrClusterLaunch, index) != cudaSuccess) yes = 0;
+    known[index] = yes ? 2 : 1;
+  }
+  return known[index] == 2;
 }
 
 int decode_attention(const DecodeAttentionArgs& a) {

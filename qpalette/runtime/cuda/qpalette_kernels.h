@@ -101,9 +101,11 @@ int viterbi(const ViterbiArgs& a);
 // per head, query head h reading KV head h / (H / KV). q (B, H, D); k, v (B, KV, length, D)
 // contiguous, 16-byte aligned; mask (B or 1, length): none, bool (false: not seen) or additive in
 // dtype, mask_batch_stride 0 when shared by the batch. D = 64 or 128, H / KV ≤ 8, else UNSUPPORTED.
-// `partial`: float32 scratch of B·KV·splits·(H/KV)·(D+2), splits = decode_attention_splits(…).
+// `partial`: float32 scratch of B·KV·splits·(H/KV)·(D+2), splits = decode_attention_splits(…), where
+// the splits merge through global memory (not decode_attention_clustered(…)).
 enum MaskKind : int { MASK_NONE = 0, MASK_BOOL = 1, MASK_ADDITIVE = 2 };
 constexpr int DECODE_ATTENTION_MIN_CHUNK = 128;  // fewest keys a CTA takes when the length is split (a block a warp)
+constexpr int DECODE_ATTENTION_MAX_CLUSTER = 8;   // most splits merged inside one cluster (the portable cluster size)
 struct DecodeAttentionArgs {
   const void* q;
   const void* k;
@@ -132,6 +134,8 @@ struct DecodeAttentionArgs {
   void* stream;  // cudaStream_t
 };
 int decode_attention_splits(int batch, int kv_heads, int length, int num_sms);
+// the splits merge in one cluster: this GPU has clusters, 2–8 splits, batch·kv_heads·splits ≤ num_sms
+bool decode_attention_clustered(int batch, int kv_heads, int splits, int num_sms);
 int decode_attention(const DecodeAttentionArgs& a);
 
 // cudaGetErrorString of a return code above.
