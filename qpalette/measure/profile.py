@@ -133,12 +133,19 @@ def rotation_time(cfg: dict, batch: int, dtype: torch.dtype) -> float:
 
 
 def random_model(cfg: dict, dtype: torch.dtype, device: str = "cuda"):
-    """The model of `cfg` with random weights, built on `device`."""
+    """The model of `cfg` with random weights, built on `device`, with the attention a loaded model
+    runs (`use_packed_attention`, as `runtime.loading` does): transformers' sdpa would put ~9 µs a
+    layer of attention and rope/cache kernels into every measured step (~0.28 ms on an 8B H100 step)
+    that `qpalette bench` and users' models do not spend."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from qpalette.generation.attention import use_packed_attention
 
     hf_cfg = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k not in ("architectures",)})
     with torch.device(device):
-        return AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype).eval()
+        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype).eval()
+    use_packed_attention(model)
+    return model
 
 
 def anchor_model(cfg: dict, dtype: torch.dtype, lm_head: bool, device: str = "cuda"):
@@ -163,12 +170,13 @@ def decode_step_time(model, batch: int, prompt_len: int = 64, steps: int = 64) -
     CUDA graphs, static cache); eager if compiling fails (said in the method)."""
     from qpalette.measure.bench import decode_loop_step_time
 
+    attention = f"{model.config._attn_implementation} attention, prompt {prompt_len}, {steps} steps"
     try:
-        return decode_loop_step_time(model, batch, prompt_len, steps, True, 0), "compiled forward loop"
+        return decode_loop_step_time(model, batch, prompt_len, steps, True, 0), f"compiled forward loop ({attention})"
     except Exception as e:  # noqa: BLE001 — transformers/torch versions differ in what compiles
         torch._dynamo.reset()
         return (decode_loop_step_time(model, batch, prompt_len, steps, False, 0),
-                f"eager forward loop (compile failed: {type(e).__name__}: {str(e)[:200]})")
+                f"eager forward loop ({attention}; compile failed: {type(e).__name__}: {str(e)[:200]})")
 
 
 def _release() -> None:

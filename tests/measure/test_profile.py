@@ -67,6 +67,22 @@ def test_the_anchor_model_calls_one_kernel_a_fused_group(tiny_llama_dir):
     assert {m.quantizer.name for m in model.modules() if isinstance(m, QuantizedLinear)} == {profile.ANCHOR}
 
 
+def test_the_measured_models_run_the_attention_loaded_models_run(tiny_llama_dir, monkeypatch):
+    """The FP16 and anchor models whose steps make the constant attend like a model `load_model`
+    returns (qpalette's decode attention with rope and the cache update in it), not with sdpa;
+    QPALETTE_ATTENTION=sdpa keeps sdpa there as it does at load."""
+    from qpalette.generation import attention
+    from qpalette.measure import profile
+
+    cfg = _tiny_cfg(tiny_llama_dir, vocab_size=256, bos_token_id=255, eos_token_id=255)
+    for model in (profile.random_model(cfg, torch.float32, "cpu"),
+                  profile.anchor_model(cfg, torch.float32, lm_head=True, device="cpu")):
+        assert model.config._attn_implementation == attention.NAME
+        assert attention.rope_attention_count(model) == cfg["num_hidden_layers"]
+    monkeypatch.setenv("QPALETTE_ATTENTION", "sdpa")
+    assert profile.random_model(cfg, torch.float32, "cpu").config._attn_implementation == "sdpa"
+
+
 def test_the_constant_is_the_anchor_step_less_its_matmuls(tiny_llama_dir, monkeypatch):
     from qpalette.measure import profile
 
