@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
@@ -173,16 +174,43 @@ def kernels(bench: dict, figdir: Path, updated: set[str] = frozenset()) -> list[
     return out + [""]
 
 
-SPEED_RUNS = "speed_llama8b_v10"  # the latest decode-speed runs (results/<this>/bench_*.json, plan_*.json)
+# the decode-speed runs shown (results/<run>/bench_*.json, plan_*.json), oldest first: a variant a
+# later run timed again (a speed plan re-made on a new profile) is shown from that run only
+SPEED_RUNS = ("speed_llama8b_v10", "speed_llama8b_v11")
 
 
-def speed(folder: Path, figdir: Path) -> list[str]:
+@dataclass
+class SpeedVariant:
+    run: str  # the results folder that timed it
+    key: str  # fp16, 2bit, 4bit, speedN, …
+    bench: dict
+    fp16: dict | None  # the same run's FP16 bench: each variant's ratios are against its own run's
+    plan: dict | None
+
+
+def speed_variants(res: Path, runs: tuple[str, ...] = SPEED_RUNS) -> list[SpeedVariant]:
+    """Every variant of `runs`, the newest run's where several timed it; an FP16 row for each run
+    that keeps a variant."""
+    latest: dict[str, SpeedVariant] = {}
+    for run in runs:
+        benches = _bench_runs(res / run)
+        for key, bench in benches.items():
+            if key != "fp16":
+                plan = res / run / f"plan_{key}.json"
+                latest[key] = SpeedVariant(run, key, bench, benches.get("fp16"), load(plan) if plan.is_file() else None)
+    kept = {v.run for v in latest.values()}
+    fp16 = [SpeedVariant(run, "fp16", b, b, None) for run in runs if run in kept
+            for b in [_bench_runs(res / run).get("fp16")] if b]
+    return fp16 + sorted(latest.values(), key=lambda v: runs.index(v.run))
+
+
+def speed(res: Path, figdir: Path) -> list[str]:
     out = ["## (d) Decode speed: Llama-3.1-8B shapes (random weights), `qpalette bench`", ""]
-    runs = _bench_runs(folder)
-    plans = {p.stem.removeprefix("plan_"): load(p) for p in sorted(folder.glob("plan_*.json"))}
-    fp = runs.get("fp16")
-    if not runs or not fp:
+    variants = speed_variants(res)
+    fps = [v for v in variants if v.key == "fp16"]
+    if not fps:
         return out + ["(no data)", ""]
+    fp = fps[-1].bench
     out.append(f"{fp['device']}, {fp['dtype']}, static KV cache, torch.compile + CUDA graphs = {fp['compiled']}, "
                f"prompt {fp['prompt_len']} tokens, {fp['gen_len']} generated. Two numbers per row, same harness for "
                "FP16 and compressed checkpoints (compressed with `--random-codes`: speed does not depend on code "
@@ -195,26 +223,29 @@ def speed(folder: Path, figdir: Path) -> list[str]:
                "2bit and 4bit: every layer and lm_head tcq-2.0, resp. nuq-4 (`compress --scheme E --lm-head`); "
                "speedN: the plan for N tok/s (lm_head 16-bit: the reference sensitivities have no lm_head "
                "coefficient); `…_before`: the same checkpoint on an earlier tree's kernels in the same run; "
-               f"– where a run timed the loop only. Which run measured which file: `results/{folder.name}/README.md`. "
-               "Earlier runs: `results/speed_llama8b_v2/` … `_v8/`, `results/speed_llama8b/` (v1 kernels).")
-    out += ["", "| model | plan budget | batch | loop tok/s | loop × FP16 | generate tok/s | generate × FP16 | "
-            "loop throughput | planned tok/s | loop / planned |", "|---|---|---|---|---|---|---|---|---|---|"]
-    fp_rows = {r["batch_size"]: r for r in fp["rows"]}
+               "– where a run timed the loop only. **run**: the results folder (one machine each; every ratio is "
+               "against that run's own FP16), whose README says what it measured: "
+               + ", ".join(f"`results/{r}/`" for r in SPEED_RUNS) + ". "
+               "Earlier runs: `results/speed_llama8b_v2/` … `_v9/`, `results/speed_llama8b/` (v1 kernels).")
+    out += ["", "| model | run | plan budget | batch | loop tok/s | loop × FP16 | generate tok/s | generate × FP16 | "
+            "loop throughput | planned tok/s | loop / planned |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     bars = []
-    for key, res in runs.items():
-        plan = plans.get(key)
-        for r in res["rows"]:
+    for v in variants:
+        plan, fp_rows = v.plan, {r["batch_size"]: r for r in v.fp16["rows"]} if v.fp16 else {}
+        for r in v.bench["rows"]:
             b, f = r["batch_size"], fp_rows.get(r["batch_size"])
             planned = plan["totals"].get("tok_per_s") if plan and plan["options"].get("batch_size", 1) == b else None
             budget = ", ".join(x["text"] for x in plan["budgets"]) if plan else "–"
             loop, gen = r["loop_tok_per_s"], r.get("tok_per_s")
             ratio = lambda x, y: f"{x / y:.2f}×" if x and y else "–"  # noqa: E731
             plan_txt = "– | –" if planned is None else f"{planned:.1f} | {loop / planned:.3f}"
-            out.append(f"| {key} | {budget} | {b} | {loop:.1f} | {ratio(loop, f and f['loop_tok_per_s'])} | "
+            out.append(f"| {v.key} | {v.run.removeprefix('speed_llama8b_')} | {budget} | {b} | {loop:.1f} | "
+                       f"{ratio(loop, f and f['loop_tok_per_s'])} | "
                        f"{f'{gen:.1f}' if gen else '–'} | {ratio(gen, f and f.get('tok_per_s'))} | {r['loop_throughput_tok_per_s']:.1f} | "
                        f"{plan_txt} |")
             if b == 1:
-                bars.append((key, loop, gen or float("nan"), planned))
+                label = v.key if v.key != "fp16" or len(fps) == 1 else f"fp16 {v.run.removeprefix('speed_llama8b_')}"
+                bars.append((label, loop, gen or float("nan"), planned))
     fig, ax = plt.subplots(figsize=(9, 4))
     x = range(len(bars))
     ax.bar([i - 0.2 for i in x], [b[1] for b in bars], 0.4, label="forward loop")
@@ -222,15 +253,16 @@ def speed(folder: Path, figdir: Path) -> list[str]:
     planned = [(i, b[3]) for i, b in zip(x, bars) if b[3]]
     if planned:
         ax.plot(*zip(*[(i - 0.2, v) for i, v in planned]), "k_", ms=22, mew=2, label="planned")
-    ax.axhline(bars[[b[0] for b in bars].index("fp16")][1], color="gray", ls="--", lw=1, label="FP16 loop")
+    ax.axhline(fps[-1].bench["rows"][0]["loop_tok_per_s"], color="gray", ls="--", lw=1, label="FP16 loop (newest run)")
     ax.set_xticks(list(x), [b[0] for b in bars])
     ax.set(ylabel="tok/s (batch 1)", title="Llama-3.1-8B shapes, H100, batch 1")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     save_figure(fig, figdir / "decode_llama8b.png")
-    older = folder.parent / "speed_llama8b_v4"  # the last breakdown measured, until a newer one
+    newest = [breakdown(res / r, f" — `results/{r}/`") for r in reversed(SPEED_RUNS)]  # of the runs that made one
     return out + ["", "![decode speed](results/decode_llama8b.png)", ""] + (
-        breakdown(folder) or breakdown(older, f" — kernels of 2026-11-27, `{older.relative_to(folder.parent.parent)}`"))
+        next((t for t in newest if t), None)
+        or breakdown(res / "speed_llama8b_v4", " — kernels of 2026-11-27, `results/speed_llama8b_v4/`"))
 
 
 def breakdown(folder: Path, note: str = "") -> list[str]:
@@ -378,7 +410,7 @@ def data_aware_targets(folder: Path) -> list[str]:
     return out
 
 
-def targets(sweep: dict | None, folder: Path) -> list[str]:
+def targets(sweep: dict | None, res: Path) -> list[str]:
     """The end-to-end targets, checked against the measured numbers (or said to be unmeasured)."""
     out = ["## Targets", "", "| target | measured | met |", "|---|---|---|"]
     if sweep:
@@ -392,11 +424,10 @@ def targets(sweep: dict | None, folder: Path) -> list[str]:
         if "msq-4.0" in ppl and "fp" in ppl:
             rel = ppl["msq-4.0"] / ppl["fp"] - 1
             out.append(f"| 4-bit MSQ within 3% of FP16 perplexity | {100 * rel:+.1f}% | {'yes' if rel <= 0.03 else 'no'} |")
-    runs = _bench_runs(folder)
-    b1 = {k: next((r for r in res["rows"] if r["batch_size"] == 1), None) for k, res in runs.items()}
-    fp1 = b1.get("fp16")
+    variants = {v.key: v for v in speed_variants(res) if v.key != "fp16"}
+    b1 = {k: (_row_of(v.bench, 1), v.fp16 and _row_of(v.fp16, 1)) for k, v in variants.items()}
     for key, need in (("2bit", 3.0), ("4bit", 2.0)):
-        got = b1.get(key)
+        got, fp1 = b1.get(key, (None, None))
         if got and fp1:
             ratios = {way: got[k] / fp1[k] for way, k in (("loop", "loop_tok_per_s"), ("decoder", "decoder_tok_per_s"),
                                                            ("generate", "tok_per_s")) if got.get(k) and fp1.get(k)}
@@ -407,11 +438,13 @@ def targets(sweep: dict | None, folder: Path) -> list[str]:
                        f"{'yes' if min(ratios.values()) >= need else 'no'} |")
         else:
             out.append(f"| {key} plan ≥ {need:.1f}× FP16 decode tok/s (batch 1) | not measured | – |")
-    for path in sorted(folder.glob("plan_*.json")):  # a plan whose run did not time it says so
-        key, plan = path.stem.removeprefix("plan_"), load(path)
+    plans = {p.stem.removeprefix("plan_"): (run, p) for run in SPEED_RUNS for p in sorted((res / run).glob("plan_*.json"))}
+    for key, (run, path) in sorted(plans.items()):  # each plan's newest file; a plan its run did not time says so
+        plan = load(path)
         if not any(x["kind"] == "latency" for x in plan["budgets"]):
             continue
-        row, planned = b1.get(key), plan["totals"]["tok_per_s"]
+        timed = variants.get(key)
+        row, planned = _row_of(timed.bench, 1) if timed and timed.run == run else None, plan["totals"]["tok_per_s"]
         if row is None:
             out.append(f"| speed plan {key} lands within 5% of its planned tok/s | not timed ({planned:.1f} planned) | – |")
             continue
@@ -426,6 +459,10 @@ def _mode_keys(mode: str) -> tuple[str, str, str]:
     if mode == "default":
         return "tok_per_s", "loop_tok_per_s", "loop_host_s"
     return f"tok_per_s_{mode}", f"loop_{mode}_tok_per_s", f"loop_{mode}_host_s"
+
+
+def _row_of(bench: dict, batch: int) -> dict | None:
+    return next((r for r in bench["rows"] if r["batch_size"] == batch), None)
 
 
 def _bench_runs(folder: Path) -> dict[str, dict]:
@@ -552,12 +589,12 @@ def main() -> None:
     lines += quality(sweep, figdir) if sweep else ["## (a) Quality", "", "(no sweep results yet)", ""]
     lines += linearity(validation, sweep, figdir)
     lines += kernels(bench, figdir, updated) if bench else ["## (c) Kernels", "", "(no kernel benchmark yet)", ""]
-    lines += speed(res / SPEED_RUNS, figdir)
+    lines += speed(res, figdir)
     lines += generation(res / "generate_h100")
     lines += data_aware(res / "sweep_smollm2_data_aware", figdir)
     lines += experts(res / "moe_h100")
     lines += attention(res / "decode_attention_h100")
-    lines += (targets(sweep, res / SPEED_RUNS)[:-1] + generation_targets(res / "generate_h100")
+    lines += (targets(sweep, res)[:-1] + generation_targets(res / "generate_h100")
               + data_aware_targets(res / "sweep_smollm2_data_aware") + [""])
     args.out.write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out} and plots in {figdir}")

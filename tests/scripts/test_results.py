@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def make_results_module():
     spec = importlib.util.spec_from_file_location("make_results", ROOT / "scripts" / "make_results.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 
@@ -27,21 +28,26 @@ def test_make_results_regenerates_report_from_results(tmp_path):
         assert (tmp_path / "results" / f"{png}.png").stat().st_size > 1000
         assert f"results/{png}.png" in text
     script = make_results_module()
-    speed = ROOT / "results" / script.SPEED_RUNS
-    fp16 = json.loads((speed / "bench_fp16.json").read_text())["rows"][0]
-    gen = f"{fp16['tok_per_s']:.1f}" if fp16.get("tok_per_s") else "–"  # runs that timed the loop only
-    assert f"| fp16 | – | 1 | {fp16['loop_tok_per_s']:.1f} | 1.00× | {gen} |" in text
+    variants = script.speed_variants(ROOT / "results")
+    fps = [v for v in variants if v.key == "fp16"]
+    assert fps and {v.run for v in variants} == {v.run for v in fps}  # every run shown with its own FP16
+    for v in fps:
+        fp16 = v.bench["rows"][0]
+        gen = f"{fp16['tok_per_s']:.1f}" if fp16.get("tok_per_s") else "–"  # runs that timed the loop only
+        run = v.run.removeprefix("speed_llama8b_")
+        assert f"| fp16 | {run} | – | 1 | {fp16['loop_tok_per_s']:.1f} | 1.00× | {gen} |" in text
     targets = text[text.index("## Targets"):]
-    bit2 = json.loads((speed / "bench_2bit.json").read_text())["rows"][0]
+    by_key = {v.key: v for v in variants}
+    bit2, fp16 = by_key["2bit"].bench["rows"][0], by_key["2bit"].fp16["rows"][0]  # against its own run's FP16
     ways = [f"loop {bit2['loop_tok_per_s'] / fp16['loop_tok_per_s']:.2f}×"] + (  # every way the run timed
         [f"decoder {bit2['decoder_tok_per_s'] / fp16['decoder_tok_per_s']:.2f}×"] if "decoder_tok_per_s" in bit2 else [])
     assert f"| 2bit plan ≥ 3.0× FP16 decode tok/s (batch 1) | {', '.join(ways)}," in targets
-    plans = sorted(speed.glob("plan_speed*.json"))
+    plans = {p.stem.removeprefix("plan_"): p for run in script.SPEED_RUNS
+             for p in sorted((ROOT / "results" / run).glob("plan_speed*.json"))}  # the newest run's file of each
     assert plans and targets.count("| speed plan ") == len(plans)
-    for plan_file in plans:  # the loop's tok/s over the plan's, from the files; an untimed plan says so
-        key = plan_file.stem.removeprefix("plan_")
+    for key, plan_file in plans.items():  # the loop's tok/s over the plan's, from the files; an untimed plan says so
         planned = json.loads(plan_file.read_text())["totals"]["tok_per_s"]
-        bench = speed / f"bench_{key}.json"
+        bench = plan_file.parent / f"bench_{key}.json"
         if not bench.is_file():
             assert f"| speed plan {key} lands within 5% of its planned tok/s | not timed ({planned:.1f} planned) | – |" in targets
             continue
