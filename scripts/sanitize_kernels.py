@@ -9,8 +9,9 @@ one palette entry of every decoder variant (TCQ with a one- and a two-lane halo,
 VQ), both 16-bit dtypes, batch 1 and 8 on the GEMV (a padded last lane group, a shape with more
 warps than groups, clusters of 8 CTAs) and batch 9 on the dequantize kernel, the rotation fused
 into the GEMV (inputs 4096, 1536 = 12·128 and 14336 = 28·512 over a cluster; batch 1 and 8), and
-the Hadamard kernel, the decode attention (one split and several with their merge, bool, additive
-and shared masks, batch 1–3, head dim 64 and 128, fp16 and bf16) and the encoder's Viterbi (KV 2, 8, 10);
+the Hadamard kernel, the decode attention (one split, several merged by a second kernel or inside
+a cluster, bool, additive and shared masks, batch 1–3, head dim 64 and 128, fp16 and bf16) and the
+encoder's Viterbi (KV 2, 8, 10);
 every result is also checked against the PyTorch reference.
 Logs go to DIR/sanitize_<tool>.log; the exit code is 0 only when no tool reports anything in
 qpalette's kernels (reports in other libraries' kernels, e.g. racecheck on cuBLAS, are counted
@@ -86,8 +87,9 @@ def _rotated_sample(name: str, rows: int, cols: int, gen) -> int:
 
 def _attention_sample(gen) -> int:
     """qpalette::decode_attention (kernel) against its reference: one split (80 keys), several
-    (4097 keys: splits and their merge), bool / additive / one shared mask row, batch 1–3, head
-    dims 64/128, 1/4/8 query heads a KV head, fp16 and bf16."""
+    (4097 keys: splits and their merge kernel; 300 and 700 keys at batch 3 and 2: 3 and 6 splits,
+    merged inside a cluster on a 132-SM Hopper), bool / additive / one shared mask row, batch 1–3,
+    head dims 64/128, 1/4/8 query heads a KV head, fp16 and bf16."""
     import torch
 
     from qpalette.runtime import decode_attention as da
