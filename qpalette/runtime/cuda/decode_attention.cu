@@ -375,15 +375,8 @@ int decode_attention_splits(int batch, int kv_heads, int length, int num_sms) {
 // 1–2k keys measured 3–10% slower clustered than with the combine kernel (H100).
 bool decode_attention_clustered(int batch, int kv_heads, int splits, int num_sms) {
   if (splits < 2 || splits > DECODE_ATTENTION_MAX_CLUSTER || batch * kv_heads * splits > num_sms) return false;
-  static int known[64];  // per device: 0 not read, 1 no clusters, 2 clusters (read once: launches are on the decode path)
-  int index = 0;
-  if (cudaGetDevice(&index) != cudaSuccess || index < 0 || index >= 64) return false;
-  if (known[index] == 0) {
-    int yes = 0;
-    if (cudaDeviceGetAttribute(&yes, cudaDevAttrClusterLaunch, index) != cudaSuccess) yes = 0;
-    known[index] = yes ? 2 : 1;
-  }
-  return known[index] == 2;
+  DeviceInfo dev;
+  return current_device(dev) == OK && dev.major >= 9;  // clusters: Hopper on
 }
 
 int decode_attention(const DecodeAttentionArgs& a) {

@@ -700,31 +700,6 @@ inline void segments(const Codes& c, Segment (&seg)[2]) {
             c.tiles_a * 16};
 }
 
-struct DeviceInfo {
-  int index = 0;
-  int smem_optin = 0;  // bytes of shared memory a block may opt in to (0: not read yet)
-  int major = 0;
-};
-
-// The current device and its properties, read once per device: launches are on the decode
-// path, where host time counts.
-inline int current_device(DeviceInfo& d) {
-  static DeviceInfo known[64];
-  int index = 0;
-  if (cudaError_t e = cudaGetDevice(&index)) return e;
-  if (index < 0 || index >= 64) return UNSUPPORTED;
-  DeviceInfo& k = known[index];
-  if (k.smem_optin == 0) {
-    DeviceInfo r;
-    r.index = index;
-    if (cudaError_t e = cudaDeviceGetAttribute(&r.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, index)) return e;
-    if (cudaError_t e = cudaDeviceGetAttribute(&r.major, cudaDevAttrComputeCapabilityMajor, index)) return e;
-    k = r;
-  }
-  d = k;
-  return OK;
-}
-
 // Co-resident CTAs (cs = 1) or clusters (cs > 1) of this kernel configuration, cached: the query
 // costs more than a launch.
 template <class K>

@@ -3,6 +3,9 @@
 #pragma once
 
 #include <cooperative_groups.h>
+#include <cuda_runtime.h>
+
+#include "qpalette_kernels.h"  // OK, UNSUPPORTED
 
 namespace qp {
 
@@ -29,5 +32,31 @@ __device__ __forceinline__ T* cluster_peer(T* p, int) { __trap(); return p; }
 __device__ __forceinline__ void cluster_arrive_relaxed() { __trap(); }
 __device__ __forceinline__ void cluster_wait() { __trap(); }
 #endif
+
+// Host side: the launchers ask `major >= 9` before using clusters or PDL.
+struct DeviceInfo {
+  int index = 0;
+  int smem_optin = 0;  // bytes of shared memory a block may opt in to (0: not read yet)
+  int major = 0;
+};
+
+// The current device and its properties, read once per device: launches are on the decode
+// path, where host time counts.
+inline int current_device(DeviceInfo& d) {
+  static DeviceInfo known[64];
+  int index = 0;
+  if (cudaError_t e = cudaGetDevice(&index)) return e;
+  if (index < 0 || index >= 64) return UNSUPPORTED;
+  DeviceInfo& k = known[index];
+  if (k.smem_optin == 0) {
+    DeviceInfo r;
+    r.index = index;
+    if (cudaError_t e = cudaDeviceGetAttribute(&r.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, index)) return e;
+    if (cudaError_t e = cudaDeviceGetAttribute(&r.major, cudaDevAttrComputeCapabilityMajor, index)) return e;
+    k = r;
+  }
+  d = k;
+  return OK;
+}
 
 }  // namespace qp
