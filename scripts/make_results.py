@@ -191,16 +191,16 @@ class SpeedVariant:
 def speed_variants(res: Path, runs: tuple[str, ...] = SPEED_RUNS) -> list[SpeedVariant]:
     """Every variant of `runs`, the newest run's where several timed it; an FP16 row for each run
     that keeps a variant."""
+    benches = {run: _bench_runs(res / run) for run in runs}
     latest: dict[str, SpeedVariant] = {}
-    for run in runs:
-        benches = _bench_runs(res / run)
-        for key, bench in benches.items():
+    for run, by_key in benches.items():
+        for key, bench in by_key.items():
             if key != "fp16":
                 plan = res / run / f"plan_{key}.json"
-                latest[key] = SpeedVariant(run, key, bench, benches.get("fp16"), load(plan) if plan.is_file() else None)
+                latest[key] = SpeedVariant(run, key, bench, by_key.get("fp16"), load(plan) if plan.is_file() else None)
     kept = {v.run for v in latest.values()}
     fp16 = [SpeedVariant(run, "fp16", b, b, None) for run in runs if run in kept
-            for b in [_bench_runs(res / run).get("fp16")] if b]
+            for b in [benches[run].get("fp16")] if b]
     return fp16 + sorted(latest.values(), key=lambda v: runs.index(v.run))
 
 
