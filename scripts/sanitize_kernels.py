@@ -1,6 +1,7 @@
 """Run a sample of the CUDA kernels under NVIDIA compute-sanitizer (memcheck, racecheck, synccheck).
 
     python scripts/sanitize_kernels.py [--tools memcheck,racecheck,synccheck] [--out DIR]
+        [--parts gemv,hadamard,attention,viterbi]
 
 Each tool runs this script again (`--sample`) as `compute-sanitizer --tool T --error-exitcode 9`,
 with PyTorch's caching allocator off (PYTORCH_NO_CUDA_MEMORY_CACHING=1: every tensor is its own
@@ -30,18 +31,44 @@ from pathlib import Path
 ENTRIES = ("tcq-2.0", "tcq-4.0", "half-tcq-3.25", "nuq-4", "vq-2.0", "vq-4.0")
 SHAPES = ((576, 1536), (32, 64), (256, 28672))
 TOOLS = ("memcheck", "racecheck", "synccheck")
+PARTS = ("gemv", "hadamard", "attention", "viterbi")  # --parts: racecheck over all of them takes many minutes
 
 
-def sample() -> int:
-    """The kernels' sample, checked against the reference; returns the number of mismatches."""
+def sample(parts=PARTS) -> int:
+    """The kernels' sample (its `parts`), checked against the reference; returns the number of
+    mismatches."""
     import torch
 
     from qpalette.quant.incoherence import pack_signs, random_signs, rotate_input
-    from qpalette.quant.palette import get_quantizer
-    from qpalette.runtime import kernel_build, lanes, ops
+    from qpalette.runtime import kernel_build, ops
 
     kernel_build.extension()
     gen = torch.Generator().manual_seed(0)
+    bad = 0
+    if "gemv" in parts:
+        bad += _gemv_sample(gen)
+    if "hadamard" in parts:
+        x = torch.randn(8, 14336, generator=gen).half().cuda()
+        signs = random_signs(14336, 2)
+        y = ops.rotate(x, pack_signs(signs).cuda())
+        bad += _report("hadamard 14336", y, rotate_input(x.float(), signs.cuda()))
+    if "attention" in parts:
+        bad += _attention_sample(gen)
+    if "viterbi" in parts:
+        bad += _viterbi_sample(gen)
+    torch.cuda.synchronize()
+    print(f"sample done: {bad} mismatches")
+    return bad
+
+
+def _gemv_sample(gen) -> int:
+    """The GEMV (every decoder variant, both dtypes, batch 1 and 8), the dequantize kernel (batch 9)
+    and the rotation fused into the GEMV."""
+    import torch
+
+    from qpalette.quant.palette import get_quantizer
+    from qpalette.runtime import lanes, ops
+
     bad = 0
     for name in ENTRIES:
         for rows, cols in SHAPES:
@@ -55,14 +82,6 @@ def sample() -> int:
                     bad += _report(f"{name} {rows}x{cols} {dtype} m={m}", y, x.float() @ w.T)
         for cols in (4096, 1536, 14336):  # the rotation inside the GEMV: 2^m, 12·128, 28·512 (a cluster)
             bad += _rotated_sample(name, 576, cols, gen)
-    x = torch.randn(8, 14336, generator=gen).half().cuda()
-    signs = random_signs(14336, 2)
-    y = ops.rotate(x, pack_signs(signs).cuda())
-    bad += _report("hadamard 14336", y, rotate_input(x.float(), signs.cuda()))
-    bad += _attention_sample(gen)
-    bad += _viterbi_sample(gen)
-    torch.cuda.synchronize()
-    print(f"sample done: {bad} mismatches")
     return bad
 
 
@@ -157,16 +176,23 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tools", default=",".join(TOOLS), help="comma list of compute-sanitizer tools")
     ap.add_argument("--out", type=Path, default=Path("."), help="folder for the logs")
+    ap.add_argument("--parts", default=",".join(PARTS),
+                    help=f"comma list of the sample's parts to run (default all: {','.join(PARTS)})")
     ap.add_argument("--sample", action="store_true", help="run the sample itself (what each tool runs)")
     args = ap.parse_args()
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown or not parts:
+        ap.error(f"--parts {args.parts}: choose from {','.join(PARTS)}")
     if args.sample:
-        return 1 if sample() else 0
+        return 1 if sample(parts) else 0
     exe = sanitizer()
     args.out.mkdir(parents=True, exist_ok=True)
     env = os.environ | {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}
     failed = []
     for tool in args.tools.split(","):
-        cmd = [exe, "--tool", tool, "--error-exitcode", "9", sys.executable, __file__, "--sample"]
+        cmd = [exe, "--tool", tool, "--error-exitcode", "9", sys.executable, __file__, "--sample", "--parts",
+               ",".join(parts)]
         res = subprocess.run(cmd, env=env, capture_output=True, text=True)
         log = args.out / f"sanitize_{tool}.log"
         log.write_text(" ".join(cmd) + "\n\n" + res.stdout + res.stderr)
