@@ -204,9 +204,9 @@ def speed_variants(res: Path, runs: tuple[str, ...] = SPEED_RUNS) -> list[SpeedV
     return fp16 + sorted(latest.values(), key=lambda v: runs.index(v.run))
 
 
-def speed(res: Path, figdir: Path) -> list[str]:
+def speed(res: Path, variants: list[SpeedVariant], figdir: Path) -> list[str]:
+    """Section (d) from `variants` (speed_variants of `res`)."""
     out = ["## (d) Decode speed: Llama-3.1-8B shapes (random weights), `qpalette bench`", ""]
-    variants = speed_variants(res)
     fps = [v for v in variants if v.key == "fp16"]
     if not fps:
         return out + ["(no data)", ""]
@@ -410,8 +410,9 @@ def data_aware_targets(folder: Path) -> list[str]:
     return out
 
 
-def targets(sweep: dict | None, res: Path) -> list[str]:
-    """The end-to-end targets, checked against the measured numbers (or said to be unmeasured)."""
+def targets(sweep: dict | None, res: Path, speed_runs: list[SpeedVariant]) -> list[str]:
+    """The end-to-end targets, checked against the measured numbers (or said to be unmeasured);
+    `speed_runs`: speed_variants of `res`."""
     out = ["## Targets", "", "| target | measured | met |", "|---|---|---|"]
     if sweep:
         ppl = {r["name"]: r["ppl"] for r in sweep["rows"]}
@@ -424,7 +425,7 @@ def targets(sweep: dict | None, res: Path) -> list[str]:
         if "msq-4.0" in ppl and "fp" in ppl:
             rel = ppl["msq-4.0"] / ppl["fp"] - 1
             out.append(f"| 4-bit MSQ within 3% of FP16 perplexity | {100 * rel:+.1f}% | {'yes' if rel <= 0.03 else 'no'} |")
-    variants = {v.key: v for v in speed_variants(res) if v.key != "fp16"}
+    variants = {v.key: v for v in speed_runs if v.key != "fp16"}
     b1 = {k: (_row_of(v.bench, 1), v.fp16 and _row_of(v.fp16, 1)) for k, v in variants.items()}
     for key, need in (("2bit", 3.0), ("4bit", 2.0)):
         got, fp1 = b1.get(key, (None, None))
@@ -589,12 +590,13 @@ def main() -> None:
     lines += quality(sweep, figdir) if sweep else ["## (a) Quality", "", "(no sweep results yet)", ""]
     lines += linearity(validation, sweep, figdir)
     lines += kernels(bench, figdir, updated) if bench else ["## (c) Kernels", "", "(no kernel benchmark yet)", ""]
-    lines += speed(res, figdir)
+    speed_runs = speed_variants(res)  # the bench and plan files, read once for (d) and the targets
+    lines += speed(res, speed_runs, figdir)
     lines += generation(res / "generate_h100")
     lines += data_aware(res / "sweep_smollm2_data_aware", figdir)
     lines += experts(res / "moe_h100")
     lines += attention(res / "decode_attention_h100")
-    lines += (targets(sweep, res)[:-1] + generation_targets(res / "generate_h100")
+    lines += (targets(sweep, res, speed_runs)[:-1] + generation_targets(res / "generate_h100")
               + data_aware_targets(res / "sweep_smollm2_data_aware") + [""])
     args.out.write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out} and plots in {figdir}")
