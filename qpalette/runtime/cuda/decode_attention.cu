@@ -323,11 +323,7 @@ int launch(const DecodeAttentionArgs& a) {
     return cudaGetLastError();
   }
   cudaLaunchConfig_t cfg{};
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = splits;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
+  cudaLaunchAttribute attr[1] = {cluster_attribute(splits)};
   cfg.gridDim = grid;
   cfg.blockDim = dim3(WARPS * 32);
   cfg.stream = stream;

@@ -178,14 +178,12 @@ __global__ void __launch_bounds__(ROWS_THREADS) hadamard_rows_kernel(const T* __
 template <class K, class... Args>
 int launch_pdl(K kern, dim3 grid, dim3 block, size_t smem, void* stream, bool pdl, Args... args) {
   cudaLaunchConfig_t cfg{};
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[1] = {pdl_attribute()};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = static_cast<cudaStream_t>(stream);
   if (pdl) {
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = attr;
     cfg.numAttrs = 1;
   }

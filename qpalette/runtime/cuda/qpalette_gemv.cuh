@@ -787,13 +787,7 @@ int launch_gemv(const GemvArgs& a) {
   for (;;) {  // a rotation cluster that cannot be placed: one CTA a cluster, transforming every row
     const int cdim = cs > 1 ? cs : rs;  // the launch's cluster size
     cfg.numAttrs = 0;
-    if (cdim > 1) {
-      attrs[0].id = cudaLaunchAttributeClusterDimension;
-      attrs[0].val.clusterDim.x = cdim;
-      attrs[0].val.clusterDim.y = 1;
-      attrs[0].val.clusterDim.z = 1;
-      cfg.numAttrs = 1;
-    }
+    if (cdim > 1) attrs[cfg.numAttrs++] = cluster_attribute(cdim);
     cfg.gridDim = dim3(cdim);  // the occupancy query wants a whole cluster
     if (int e = resident(kern, cfg, cdim, a.num_sms, dev.index, slots)) {
       if (rs == 1) return e;
@@ -835,11 +829,7 @@ int launch_gemv(const GemvArgs& a) {
   p.members = static_cast<const long long*>(a.members);
   p.x_rows = static_cast<const long long*>(a.x_rows);
   cfg.gridDim = dim3(p.ncl * cs, nslot);
-  if (a.pdl && dev.major >= 9) {
-    attrs[cfg.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attrs[cfg.numAttrs].val.programmaticStreamSerializationAllowed = 1;
-    ++cfg.numAttrs;
-  }
+  if (a.pdl && dev.major >= 9) attrs[cfg.numAttrs++] = pdl_attribute();
   if (cudaError_t e = cudaLaunchKernelEx(&cfg, kern, p)) return e;
   return cudaGetLastError();
 }

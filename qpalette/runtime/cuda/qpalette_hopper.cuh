@@ -34,6 +34,23 @@ __device__ __forceinline__ void cluster_wait() { __trap(); }
 #endif
 
 // Host side: the launchers ask `major >= 9` before using clusters or PDL.
+
+// cudaLaunchKernelEx attributes: thread-block clusters of `ctas` CTAs along x, and programmatic
+// stream serialization (the launch may start while the previous kernel runs: PDL)
+inline cudaLaunchAttribute cluster_attribute(int ctas) {
+  cudaLaunchAttribute a{};
+  a.id = cudaLaunchAttributeClusterDimension;
+  a.val.clusterDim.x = ctas;
+  a.val.clusterDim.y = 1;
+  a.val.clusterDim.z = 1;
+  return a;
+}
+inline cudaLaunchAttribute pdl_attribute() {
+  cudaLaunchAttribute a{};
+  a.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  a.val.programmaticStreamSerializationAllowed = 1;
+  return a;
+}
 struct DeviceInfo {
   int index = 0;
   int smem_optin = 0;  // bytes of shared memory a block may opt in to (0: not read yet)
