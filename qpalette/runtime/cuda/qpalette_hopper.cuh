@@ -51,6 +51,7 @@ inline cudaLaunchAttribute pdl_attribute() {
   a.val.programmaticStreamSerializationAllowed = 1;
   return a;
 }
+
 struct DeviceInfo {
   int index = 0;
   int smem_optin = 0;  // bytes of shared memory a block may opt in to (0: not read yet)
