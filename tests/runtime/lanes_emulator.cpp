@@ -32,7 +32,7 @@ static void decode_segment(const std::vector<uint32_t>& codes, const std::vector
                            int tiles, int col0, int cols, std::vector<uint16_t>& out) {
   using L = typename D::L;
   std::vector<uint32_t> lut(L::WORDS);
-  for (int i = 0; i < L::WORDS; ++i) lut[i] = L::entry(src.data(), i >> L::LOGC);
+  for (int i = 0; i < L::WORDS; ++i) lut[i] = L::entry(src.data(), i >> L::LOGS);
   const int cg = (tiles + GROUP_TILES - 1) / GROUP_TILES;
   const size_t blk = size_t(32) * D::WPG;
   for (int i = 0; i < rows / 16; ++i)

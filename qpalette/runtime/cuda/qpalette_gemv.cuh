@@ -191,7 +191,8 @@ struct Pair {
   static constexpr bool SHARE_ROTATION = !TWO && WMAX <= 12;
   // the staging that forms its input (silu(gate) ⊙ up, add + RMSNorm): the same registers to spare
   static constexpr bool FORMS_INPUT = SHARE_ROTATION;
-  static_assert(DA::L::WORDS == DB::L::WORDS && DA::L::C == DB::L::C, "the two halves share one table");
+  static_assert(DA::L::WORDS == DB::L::WORDS && DA::L::C == DB::L::C && DA::L::STRIDE == DB::L::STRIDE,
+                "the two halves share one table");
 };
 
 __host__ __device__ constexpr size_t red_bytes(int rr, int nw) { return size_t(2) * rr * nw * 32 * 16; }
@@ -209,12 +210,13 @@ __host__ __device__ constexpr size_t gemv_smem(int rr, int nw, int cgc, int cs, 
          cpart_bytes(rr, cs, fr) + rot_bytes(rot_n);
 }
 
-// The table, replicated C times. Thread t writes 16-byte piece t mod C/4 of its entries, so a
-// warp's stores are contiguous; each round first loads 8 entries a thread (all in flight: they
-// come from L2), then stores them (and their sign-flipped copies in a folded table).
+// The table, replicated C times (entries STRIDE words apart). Thread t writes 16-byte piece
+// t mod C/4 of its entries, so a warp's stores are contiguous; each round first loads 8 entries a
+// thread (all in flight: they come from L2), then stores them (and their sign-flipped copies in a
+// folded table).
 template <class L>
 __device__ __forceinline__ void fill_table(uint32_t* lut, const uint32_t* src) {
-  constexpr int E = L::SOURCE, PIECES = L::C / 4;
+  constexpr int E = L::SOURCE, PIECES = L::C / 4, STRIDE4 = L::STRIDE / 4;
   uint4* l4 = reinterpret_cast<uint4*>(lut);
   const int step = blockDim.x / PIECES, e0 = threadIdx.x / PIECES, j = threadIdx.x % PIECES;
   for (int base = e0; base < E; base += 8 * step) {
@@ -225,10 +227,10 @@ __device__ __forceinline__ void fill_table(uint32_t* lut, const uint32_t* src) {
     for (int k = 0; k < 8; ++k) {
       const int e = base + k * step;
       if (e < E) {
-        l4[e * PIECES + j] = make_uint4(v[k], v[k], v[k], v[k]);
+        l4[e * STRIDE4 + j] = make_uint4(v[k], v[k], v[k], v[k]);
         if (L::STORED > E) {
           const uint32_t n = v[k] ^ 0x8000u;
-          l4[(e + E) * PIECES + j] = make_uint4(n, n, n, n);
+          l4[(e + E) * STRIDE4 + j] = make_uint4(n, n, n, n);
         }
       }
     }

@@ -8,8 +8,8 @@
 // (lane 31 → lane 0: the tail-biting wrap); the kernel passes those words in `nb`, fetched by one
 // shuffle a word.
 //
-// Tables live in shared memory, entry e's copy c at word e·C + c (C copies, lane ℓ reads copy
-// ℓ mod C, so a warp's lookups never conflict while C = 32). TCQ tables are sign-folded: entries
+// Tables live in shared memory, entry e's copy c at word e·STRIDE + c (C copies, lane ℓ reads copy
+// ℓ mod C, so a warp's lookups never conflict while C = 32; STRIDE = C but for byte codes). TCQ tables are sign-folded: entries
 // 2^Q..2^(Q+1)-1 hold the first 2^Q with x negated, so bit 15 of the hash selects the entry.
 #pragma once
 
@@ -61,14 +61,18 @@ QP_HD uint32_t lane_field(const uint32_t* c, int pos, int len, int shl) {
   return field(c[i], i + 1 < WPG ? c[i + 1] : 0u, pos & 31, len, shl);
 }
 
-template <int LOG2E, int FOLD>  // 2^LOG2E table entries, sign-folded (FOLD = 1) or not
+// 2^LOG2E table entries, sign-folded (FOLD = 1) or not; entries 2^LOGS words apart (at least C: a
+// wider stride leaves words unused, for byte-aligned entry offsets)
+template <int LOG2E, int FOLD, int LOGS_MIN = 0>
 struct LutGeom {
   static constexpr int SOURCE = 1 << LOG2E;  // entries of the codebook
   static constexpr int STORED = 1 << (LOG2E + FOLD);
   static constexpr int LOGC = (15 - LOG2E - FOLD) < 5 ? (15 - LOG2E - FOLD) : 5;
   static constexpr int C = 1 << LOGC;
-  static constexpr int WORDS = STORED * C;
-  static constexpr int ESHIFT = 2 + LOGC;  // byte offset of entry e = e << ESHIFT
+  static constexpr int LOGS = LOGS_MIN > LOGC ? LOGS_MIN : LOGC;
+  static constexpr int STRIDE = 1 << LOGS;  // words from one entry's copies to the next's
+  static constexpr int WORDS = STORED * STRIDE;
+  static constexpr int ESHIFT = 2 + LOGS;  // byte offset of entry e = e << ESHIFT
   static constexpr uint32_t MASK = static_cast<uint32_t>(STORED - 1) << ESHIFT;
   static_assert(WORDS <= LUT_MAX_WORDS && C >= 4, "table geometry");
   // stored entry e from the E source entries (x negated in the folded half)
@@ -94,18 +98,28 @@ QP_HD uint32_t and_or(uint32_t v, uint32_t mask, uint32_t bits) {
 
 // ---- decoders: tile<U>(c, nb, lut, lanebits, a) = A registers of tile U of the group -------------
 
+// Byte codes (8 bits) address a table of 256-byte entry strides: one byte permute puts code byte
+// `byte` of word w over the lane's copy offset (bits 2..6 of lanebits, whose other bytes are zero),
+// where a field extract and a mask took two instructions.
+constexpr int BYTE_LOGS = 6;
+QP_HD uint32_t byte_entry(uint32_t w, int byte, uint32_t lanebits) {
+  return byte_perm(w, lanebits, 0x5504u | (static_cast<uint32_t>(byte) << 4));
+}
+
 template <int CB>  // pair codes of CB bits (VQ with CB = 2·bits; NUQ-b ≤ 5 as 2b-bit pairs)
 struct PairLanes {
   static constexpr int TW = 4 * CB;  // bits of one lane in one tile
   static constexpr int WPG = CB;
   static constexpr int HALO = 0;
-  using L = LutGeom<CB, 0>;
+  using L = LutGeom<CB, 0, CB == 8 ? BYTE_LOGS : 0>;
   template <int U>
   static QP_HD void tile(const uint32_t* c, const uint32_t*, const uint32_t* lut, uint32_t lanebits,
                          uint32_t (&a)[4]) {
 #pragma unroll
-    for (int k = 0; k < 4; ++k)
-      a[k] = lds(lut, and_or(lane_field<WPG>(c, U * TW + k * CB, CB, L::ESHIFT), L::MASK, lanebits));
+    for (int k = 0; k < 4; ++k) {
+      if constexpr (CB == 8) a[k] = lds(lut, byte_entry(c[U], 3 - k, lanebits));  // word U = tile U, MSB first
+      else a[k] = lds(lut, and_or(lane_field<WPG>(c, U * TW + k * CB, CB, L::ESHIFT), L::MASK, lanebits));
+    }
   }
 };
 
@@ -114,14 +128,20 @@ struct ScalarLanes {
   static constexpr int TW = 8 * B;
   static constexpr int WPG = 2 * B;
   static constexpr int HALO = 0;
-  using L = LutGeom<B, 0>;
+  using L = LutGeom<B, 0, B == 8 ? BYTE_LOGS : 0>;
   template <int U>
   static QP_HD void tile(const uint32_t* c, const uint32_t*, const uint32_t* lut, uint32_t lanebits,
                          uint32_t (&a)[4]) {
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      const uint32_t v0 = lds(lut, and_or(lane_field<WPG>(c, U * TW + 2 * k * B, B, L::ESHIFT), L::MASK, lanebits));
-      const uint32_t v1 = lds(lut, and_or(lane_field<WPG>(c, U * TW + (2 * k + 1) * B, B, L::ESHIFT), L::MASK, lanebits));
+      uint32_t v0, v1;
+      if constexpr (B == 8) {  // words 2U, 2U+1 = tile U, MSB first
+        v0 = lds(lut, byte_entry(c[2 * U + k / 2], 3 - 2 * (k % 2), lanebits));
+        v1 = lds(lut, byte_entry(c[2 * U + k / 2], 2 - 2 * (k % 2), lanebits));
+      } else {
+        v0 = lds(lut, and_or(lane_field<WPG>(c, U * TW + 2 * k * B, B, L::ESHIFT), L::MASK, lanebits));
+        v1 = lds(lut, and_or(lane_field<WPG>(c, U * TW + (2 * k + 1) * B, B, L::ESHIFT), L::MASK, lanebits));
+      }
       a[k] = byte_perm(v0, v1, 0x5410);  // low halves: the pair
     }
   }
