@@ -32,7 +32,7 @@ static void decode_segment(const std::vector<uint32_t>& codes, const std::vector
                            int tiles, int col0, int cols, std::vector<uint16_t>& out) {
   using L = typename D::L;
   std::vector<uint32_t> lut(L::WORDS);
-  for (int i = 0; i < L::WORDS; ++i) lut[i] = L::entry(src.data(), i >> L::LOGS);
+  for (int i = 0; i < L::WORDS; ++i) lut[i] = L::word(src.data(), i);
   const int cg = (tiles + GROUP_TILES - 1) / GROUP_TILES;
   const size_t blk = size_t(32) * D::WPG;
   for (int i = 0; i < rows / 16; ++i)
@@ -44,7 +44,7 @@ static void decode_segment(const std::vector<uint32_t>& codes, const std::vector
           c[q] = b[block_word(D::WPG, lane, q)];
           for (int h = 0; h < 2; ++h) nb[h * D::WPG + q] = b[block_word(D::WPG, (lane + 1 + h) & 31, q)];
         }
-        const uint32_t lanebits = static_cast<uint32_t>(lane & (L::C - 1)) << 2;
+        const uint32_t lanebits = L::lane_offset(lane);
         auto one = [&](auto u_const) {
           constexpr int U = decltype(u_const)::value;
           const int lt = g * GROUP_TILES + U;

@@ -215,7 +215,29 @@ __host__ __device__ constexpr size_t gemv_smem(int rr, int nw, int cgc, int cs, 
 // thread (all in flight: they come from L2), then stores them (and their sign-flipped copies in a
 // folded table).
 template <class L>
+__device__ __forceinline__ void fill_byte_pairs(uint32_t* lut, const uint32_t* src) {
+  constexpr int PIECES = L::WORDS / 4;  // 16 bytes: two copies of one entry
+  uint4* l4 = reinterpret_cast<uint4*>(lut);
+  for (int base = threadIdx.x; base < PIECES; base += 8 * blockDim.x) {
+    uint32_t hi[8], lo[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {  // piece i: entry i / 16, whose codes are i / 256 and (i / 16) mod 16
+      const int i = base + k * blockDim.x;
+      hi[k] = i < PIECES ? __ldg(src + (i >> 8)) : 0u;
+      lo[k] = i < PIECES ? __ldg(src + ((i >> 4) & 15)) : 0u;
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k)
+      if (base + k * blockDim.x < PIECES) l4[base + k * blockDim.x] = make_uint4(hi[k], lo[k], hi[k], lo[k]);
+  }
+}
+
+template <class L>
 __device__ __forceinline__ void fill_table(uint32_t* lut, const uint32_t* src) {
+  if constexpr (L::BYTE_PAIRS) {
+    fill_byte_pairs<L>(lut, src);
+    return;
+  }
   constexpr int E = L::SOURCE, PIECES = L::C / 4, STRIDE4 = L::STRIDE / 4;
   uint4* l4 = reinterpret_cast<uint4*>(lut);
   const int step = blockDim.x / PIECES, e0 = threadIdx.x / PIECES, j = threadIdx.x % PIECES;
@@ -532,7 +554,7 @@ __device__ __forceinline__ void gemv_body(const GemvParams& p) {
   }
   __syncthreads();  // the x buffer becomes the reduction buffer
 
-  const uint32_t lanebits = static_cast<uint32_t>(lane & (L::C - 1)) << 2;
+  const uint32_t lanebits = L::lane_offset(lane);
   const int nrounds = (nrows + RR - 1) / RR;
   const bool reducer = warp < RR;
   const int gq = lane >> 2;
@@ -651,7 +673,7 @@ __device__ __forceinline__ void dequant_group(const DequantParams& p, const Segm
   uint32_t c[D::WPG], nb[D::HALO ? D::HALO * D::WPG : 1];
   load_group<D::WPG>(c, s.codes + (static_cast<size_t>(i) * s.cg + g) * 8 * D::WPG, lane);
   halo<D>(c, nb, lane);
-  const uint32_t lanebits = static_cast<uint32_t>(lane & (D::L::C - 1)) << 2;
+  const uint32_t lanebits = D::L::lane_offset(lane);
   const int gq = lane >> 2, cq = lane & 3;
   const float sa = __half2float(p.row_scale[i * 16 + gq]), sb = __half2float(p.row_scale[i * 16 + gq + 8]);
   T* out = reinterpret_cast<T*>(p.w);

@@ -15,6 +15,8 @@
 
 #include <stdint.h>
 
+#include <type_traits>
+
 #ifdef __CUDACC__
 #define QP_HD __host__ __device__ __forceinline__
 #else
@@ -74,15 +76,42 @@ struct LutGeom {
   static constexpr int WORDS = STORED * STRIDE;
   static constexpr int ESHIFT = 2 + LOGS;  // byte offset of entry e = e << ESHIFT
   static constexpr uint32_t MASK = static_cast<uint32_t>(STORED - 1) << ESHIFT;
+  static constexpr bool BYTE_PAIRS = false;
   static_assert(WORDS <= LUT_MAX_WORDS && C >= 4, "table geometry");
   // stored entry e from the E source entries (x negated in the folded half)
   static QP_HD uint32_t entry(const uint32_t* src, int e) {
     return src[e & ((1 << LOG2E) - 1)] ^ (e >> LOG2E ? 0x8000u : 0u);
   }
+  static QP_HD uint32_t word(const uint32_t* src, int i) { return entry(src, i >> LOGS); }  // table word i
+  static QP_HD uint32_t lane_offset(int lane) { return static_cast<uint32_t>(lane & (C - 1)) << 2; }
+};
+
+// Two 4-bit pair codes a byte: entry b of 256 holds the values of b's high and low codes (8 bytes),
+// 32 copies 8 bytes apart, entries 256 bytes apart, so one byte permute and one LDS.64 look up two
+// codes (a half-warp's 8-byte loads cover the 32 banks once: no conflicts).
+struct BytePairGeom {
+  static constexpr int SOURCE = 16, STORED = 256, C = 32, LOGC = 5, LOGS = 6;
+  static constexpr int STRIDE = 1 << LOGS;  // words from one entry's copies to the next's
+  static constexpr int WORDS = STORED * STRIDE;
+  static constexpr bool BYTE_PAIRS = true;
+  static QP_HD uint32_t word(const uint32_t* src, int i) {
+    const int b = i >> LOGS;
+    return src[i & 1 ? b & 15 : b >> 4];
+  }
+  static QP_HD uint32_t lane_offset(int lane) { return static_cast<uint32_t>(lane & (C - 1)) << 3; }
 };
 
 QP_HD uint32_t lds(const uint32_t* lut, uint32_t byte_off) {
   return *reinterpret_cast<const uint32_t*>(reinterpret_cast<const char*>(lut) + byte_off);
+}
+QP_HD void lds2(const uint32_t* lut, uint32_t byte_off, uint32_t& lo, uint32_t& hi) {
+  const uint32_t* p = reinterpret_cast<const uint32_t*>(reinterpret_cast<const char*>(lut) + byte_off);
+#ifdef __CUDA_ARCH__
+  const uint2 v = *reinterpret_cast<const uint2*>(p);  // one LDS.64
+  lo = v.x, hi = v.y;
+#else
+  lo = p[0], hi = p[1];
+#endif
 }
 
 // (v & mask) | bits in one LOP3 (left to itself nvcc sometimes masks twice)
@@ -111,14 +140,19 @@ struct PairLanes {
   static constexpr int TW = 4 * CB;  // bits of one lane in one tile
   static constexpr int WPG = CB;
   static constexpr int HALO = 0;
-  using L = LutGeom<CB, 0, CB == 8 ? BYTE_LOGS : 0>;
+  using L = std::conditional_t<CB == 4, BytePairGeom, LutGeom<CB, 0, CB == 8 ? BYTE_LOGS : 0>>;
   template <int U>
   static QP_HD void tile(const uint32_t* c, const uint32_t*, const uint32_t* lut, uint32_t lanebits,
                          uint32_t (&a)[4]) {
+    if constexpr (CB == 4) {  // tile U = half U % 2 of word U / 2, MSB first: codes 0, 1 then 2, 3
+      lds2(lut, byte_entry(c[U / 2], 3 - 2 * (U % 2), lanebits), a[0], a[1]);
+      lds2(lut, byte_entry(c[U / 2], 2 - 2 * (U % 2), lanebits), a[2], a[3]);
+    } else {
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      if constexpr (CB == 8) a[k] = lds(lut, byte_entry(c[U], 3 - k, lanebits));  // word U = tile U, MSB first
-      else a[k] = lds(lut, and_or(lane_field<WPG>(c, U * TW + k * CB, CB, L::ESHIFT), L::MASK, lanebits));
+      for (int k = 0; k < 4; ++k) {
+        if constexpr (CB == 8) a[k] = lds(lut, byte_entry(c[U], 3 - k, lanebits));  // word U = tile U, MSB first
+        else a[k] = lds(lut, and_or(lane_field<WPG>(c, U * TW + k * CB, CB, L::ESHIFT), L::MASK, lanebits));
+      }
     }
   }
 };
