@@ -210,10 +210,8 @@ __host__ __device__ constexpr size_t gemv_smem(int rr, int nw, int cgc, int cs, 
          cpart_bytes(rr, cs, fr) + rot_bytes(rot_n);
 }
 
-// The table, replicated C times (entries STRIDE words apart). Thread t writes 16-byte piece
-// t mod C/4 of its entries, so a warp's stores are contiguous; each round first loads 8 entries a
-// thread (all in flight: they come from L2), then stores them (and their sign-flipped copies in a
-// folded table).
+// The byte-pair table (BytePairGeom): every 16-byte piece holds two copies of one entry, the values
+// of its byte's two codes; 8 pieces a thread, their source words loaded first (all in flight).
 template <class L>
 __device__ __forceinline__ void fill_byte_pairs(uint32_t* lut, const uint32_t* src) {
   constexpr int PIECES = L::WORDS / 4;  // 16 bytes: two copies of one entry
@@ -232,6 +230,10 @@ __device__ __forceinline__ void fill_byte_pairs(uint32_t* lut, const uint32_t* s
   }
 }
 
+// The table, replicated C times (entries STRIDE words apart). Thread t writes 16-byte piece
+// t mod C/4 of its entries, so a warp's stores are contiguous; each round first loads 8 entries a
+// thread (all in flight: they come from L2), then stores them (and their sign-flipped copies in a
+// folded table).
 template <class L>
 __device__ __forceinline__ void fill_table(uint32_t* lut, const uint32_t* src) {
   if constexpr (L::BYTE_PAIRS) {

@@ -9,8 +9,9 @@
 // shuffle a word.
 //
 // Tables live in shared memory, entry e's copy c at word e·STRIDE + c (C copies, lane ℓ reads copy
-// ℓ mod C, so a warp's lookups never conflict while C = 32; STRIDE = C but for byte codes). TCQ tables are sign-folded: entries
-// 2^Q..2^(Q+1)-1 hold the first 2^Q with x negated, so bit 15 of the hash selects the entry.
+// ℓ mod C, so a warp's lookups never conflict while C = 32; STRIDE = C but for byte-addressed
+// tables). TCQ tables are sign-folded: entries 2^Q..2^(Q+1)-1 hold the first 2^Q with x negated,
+// so bit 15 of the hash selects the entry.
 #pragma once
 
 #include <stdint.h>
@@ -127,9 +128,9 @@ QP_HD uint32_t and_or(uint32_t v, uint32_t mask, uint32_t bits) {
 
 // ---- decoders: tile<U>(c, nb, lut, lanebits, a) = A registers of tile U of the group -------------
 
-// Byte codes (8 bits) address a table of 256-byte entry strides: one byte permute puts code byte
-// `byte` of word w over the lane's copy offset (bits 2..6 of lanebits, whose other bytes are zero),
-// where a field extract and a mask took two instructions.
+// Byte-addressed tables (entries 256 bytes apart): one byte permute puts byte `byte` of word w over
+// the lane's copy offset (byte 0 of lanebits, whose other bytes are zero), where a field extract and
+// a mask took two instructions.
 constexpr int BYTE_LOGS = 6;
 QP_HD uint32_t byte_entry(uint32_t w, int byte, uint32_t lanebits) {
   return byte_perm(w, lanebits, 0x5504u | (static_cast<uint32_t>(byte) << 4));
