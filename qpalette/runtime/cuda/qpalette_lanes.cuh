@@ -205,8 +205,8 @@ struct TcqLanes {
       s[3] = x >> 4;
     } else if constexpr (KV == 2) {  // a tile is one byte a lane: x = [own | lane+1 | lane+2 | .] by byte
       // permutes: y interleaves the two halo lanes' bytes of two tiles (computed once for both), one
-      // permute a tile adds the own byte. The shifts and masks of the KV = 3 branch took 26 SASS
-      // instructions a tile against 23 here; tcq-1.0 5–7% faster (results/kernels_h100/v11/)
+      // permute a tile adds the own byte. The shifts and masks of the KV = 3 branch took 26.6 SASS
+      // instructions a tile against 23.7 here; tcq-1.0 3–7% faster (results/kernels_h100/v11/)
       constexpr int I = U / 4, J = U % 4;
       const uint32_t y = byte_perm(nb[I], nb[WPG + I], J < 2 ? 0x3726u : 0x1504u);
       const uint32_t x = byte_perm(c[I], y, J == 0 ? 0x3760u : J == 1 ? 0x2540u : J == 2 ? 0x1760u : 0x0540u);
