@@ -210,8 +210,9 @@ __host__ __device__ constexpr size_t gemv_smem(int rr, int nw, int cgc, int cs, 
          cpart_bytes(rr, cs, fr) + rot_bytes(rot_n);
 }
 
-// The byte-pair table (BytePairGeom): every 16-byte piece holds two copies of one entry, the values
-// of its byte's two codes; 8 pieces a thread, their source words loaded first (all in flight).
+// The byte-pair table (BytePairGeom): every 16-byte piece holds two copies of one entry, their words
+// at L::source (the layout's one definition, which the host emulator test reads too); 8 pieces a
+// thread, their source words loaded first (all in flight).
 template <class L>
 __device__ __forceinline__ void fill_byte_pairs(uint32_t* lut, const uint32_t* src) {
   constexpr int PIECES = L::WORDS / 4;  // 16 bytes: two copies of one entry
@@ -219,10 +220,10 @@ __device__ __forceinline__ void fill_byte_pairs(uint32_t* lut, const uint32_t* s
   for (int base = threadIdx.x; base < PIECES; base += 8 * blockDim.x) {
     uint32_t hi[8], lo[8];
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {  // piece i: entry i / 16, whose codes are i / 256 and (i / 16) mod 16
+    for (int k = 0; k < 8; ++k) {  // words 4i, 4i + 1 of piece i (4i + 2, 4i + 3 repeat them)
       const int i = base + k * blockDim.x;
-      hi[k] = i < PIECES ? __ldg(src + (i >> 8)) : 0u;
-      lo[k] = i < PIECES ? __ldg(src + ((i >> 4) & 15)) : 0u;
+      hi[k] = i < PIECES ? __ldg(src + L::source(4 * i)) : 0u;
+      lo[k] = i < PIECES ? __ldg(src + L::source(4 * i + 1)) : 0u;
     }
 #pragma unroll
     for (int k = 0; k < 8; ++k)

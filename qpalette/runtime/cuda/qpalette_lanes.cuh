@@ -95,10 +95,11 @@ struct BytePairGeom {
   static constexpr int STRIDE = 1 << LOGS;  // words from one entry's copies to the next's
   static constexpr int WORDS = STORED * STRIDE;
   static constexpr bool BYTE_PAIRS = true;
-  static QP_HD uint32_t word(const uint32_t* src, int i) {
+  static QP_HD int source(int i) {  // the codebook entry table word i holds
     const int b = i >> LOGS;
-    return src[i & 1 ? b & 15 : b >> 4];
+    return i & 1 ? b & 15 : b >> 4;
   }
+  static QP_HD uint32_t word(const uint32_t* src, int i) { return src[source(i)]; }
   static QP_HD uint32_t lane_offset(int lane) { return static_cast<uint32_t>(lane & (C - 1)) << 3; }
 };
 
