@@ -127,6 +127,17 @@ QP_HD uint32_t and_or(uint32_t v, uint32_t mask, uint32_t bits) {
 #endif
 }
 
+// bits of a where m is set, of b elsewhere, in one LOP3 (nvcc splits the expression into masks and ORs)
+QP_HD uint32_t select_bits(uint32_t a, uint32_t b, uint32_t m) {
+#ifdef __CUDA_ARCH__
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xE4;\n" : "=r"(r) : "r"(a), "r"(b), "r"(m));
+  return r;
+#else
+  return (a & m) | (b & ~m);
+#endif
+}
+
 // ---- decoders: tile<U>(c, nb, lut, lanebits, a) = A registers of tile U of the group -------------
 
 // Byte-addressed tables (entries 256 bytes apart): one byte permute puts byte `byte` of word w over
@@ -242,12 +253,15 @@ struct TcqLanes {
         const int end = KV * k + 16;  // window k = stream bits [end − 16, end)
         s[k] = end <= 32 ? first >> (32 - end) : end <= TW ? last >> (TW - end) : funnel_l(halo, last, end - TW);
       }
-    } else {  // KV 3: own bits, lane ℓ+1's and lane ℓ+2's in one word; all windows end by bit 25
-      const uint32_t m1 = ~((1u << (32 - TW)) - 1u), m2 = ~((1u << (32 - 2 * TW)) - 1u);
-      const uint32_t x = (lane_field<WPG>(c, P, 32, 0) & m1) | ((lane_field<WPG>(nb, P, 32, 0) >> TW) & m2 & ~m1) |
-                         (lane_field<WPG>(nb + WPG, P, 32, 0) >> (2 * TW));
+    } else {  // KV 3: the windows' 25 stream bits low-aligned in x (stream bit j at bit 24 − j): the own
+      // 12 at 13..24, lane ℓ+1's 12 at 1..12, lane ℓ+2's first at 0. Each field lands in place with
+      // one shift and two selects join them, so the last window needs no shift: 28.3 → 26.3 SASS
+      // instructions a tile against masking 32-bit fields after extracting them
+      const uint32_t own = lane_field<WPG>(c, P, TW, 1 + TW), h1 = lane_field<WPG>(nb, P, TW, 1);
+      const uint32_t h2 = lane_field<WPG>(nb + WPG, P, 1, 0);
+      const uint32_t x = select_bits(select_bits(own, h1, ~0u << (1 + TW)), h2, ~1u);
 #pragma unroll
-      for (int k = 0; k < 4; ++k) s[k] = x >> (16 - k * KV);
+      for (int k = 0; k < 4; ++k) s[k] = x >> (3 * KV - k * KV);
     }
   }
   template <int U>
