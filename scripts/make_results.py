@@ -112,7 +112,7 @@ def linearity(validation: dict | None, sweep: dict | None, figdir: Path) -> list
 
 
 # a later bench_kernels run of some entries (and FP16, gemlite), whose rows replace the full table's
-KERNEL_UPDATE = "kernels_h100/v7/new/bench_kernels.json"
+KERNEL_UPDATE = "kernels_h100/v12/table/bench_kernels.json"
 
 
 def overlay_kernels(full: dict, newer: dict | None) -> tuple[dict, set[str]]:
@@ -176,7 +176,7 @@ def kernels(bench: dict, figdir: Path, updated: set[str] = frozenset()) -> list[
 
 # the decode-speed runs shown (results/<run>/bench_*.json, plan_*.json), oldest first: a variant a
 # later run timed again (a speed plan re-made on a new profile) is shown from that run only
-SPEED_RUNS = ("speed_llama8b_v10", "speed_llama8b_v11")
+SPEED_RUNS = ("speed_llama8b_v10", "speed_llama8b_v11", "speed_llama8b_v12")
 
 
 @dataclass
