@@ -255,13 +255,14 @@ struct TcqLanes {
       }
     } else {  // KV 3: the windows' 25 stream bits low-aligned in x (stream bit j at bit 24 − j): the own
       // 12 at 13..24, lane ℓ+1's 12 at 1..12, lane ℓ+2's first at 0. Each field lands in place with
-      // one shift and two selects join them, so the last window needs no shift: 28.3 → 26.3 SASS
-      // instructions a tile against masking 32-bit fields after extracting them
+      // one shift, two selects join them and the last window needs no shift: 26.3 SASS instructions
+      // a tile against 28.3 when 32-bit fields were masked after extraction; tcq-1.5 2–3% faster
+      // (results/kernels_h100/v12/)
       const uint32_t own = lane_field<WPG>(c, P, TW, 1 + TW), h1 = lane_field<WPG>(nb, P, TW, 1);
       const uint32_t h2 = lane_field<WPG>(nb + WPG, P, 1, 0);
       const uint32_t x = select_bits(select_bits(own, h1, ~0u << (1 + TW)), h2, ~1u);
 #pragma unroll
-      for (int k = 0; k < 4; ++k) s[k] = x >> (3 * KV - k * KV);
+      for (int k = 0; k < 4; ++k) s[k] = x >> ((3 - k) * KV);
     }
   }
   template <int U>
