@@ -116,27 +116,26 @@ QP_HD void lds2(const uint32_t* lut, uint32_t byte_off, uint32_t& lo, uint32_t& 
 #endif
 }
 
-// (v & mask) | bits in one LOP3 (left to itself nvcc sometimes masks twice)
-QP_HD uint32_t and_or(uint32_t v, uint32_t mask, uint32_t bits) {
+// f(a, b, c) bit by bit in one LOP3; LUT is f's truth table, bit 4a + 2b + c (PTX's immLut)
+template <uint32_t LUT>
+QP_HD uint32_t lop3(uint32_t a, uint32_t b, uint32_t c) {
 #ifdef __CUDA_ARCH__
   uint32_t r;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(v), "r"(mask), "r"(bits));
+  asm("lop3.b32 %0, %1, %2, %3, %4;\n" : "=r"(r) : "r"(a), "r"(b), "r"(c), "n"(LUT));
   return r;
 #else
-  return (v & mask) | bits;
+  uint32_t r = 0;
+  for (int i = 0; i < 8; ++i)
+    if ((LUT >> i) & 1u) r |= (i & 4 ? a : ~a) & (i & 2 ? b : ~b) & (i & 1 ? c : ~c);
+  return r;
 #endif
 }
 
+// (v & mask) | bits in one LOP3 (left to itself nvcc sometimes masks twice)
+QP_HD uint32_t and_or(uint32_t v, uint32_t mask, uint32_t bits) { return lop3<0xEAu>(v, mask, bits); }
+
 // bits of a where m is set, of b elsewhere, in one LOP3 (nvcc splits the expression into masks and ORs)
-QP_HD uint32_t select_bits(uint32_t a, uint32_t b, uint32_t m) {
-#ifdef __CUDA_ARCH__
-  uint32_t r;
-  asm("lop3.b32 %0, %1, %2, %3, 0xE4;\n" : "=r"(r) : "r"(a), "r"(b), "r"(m));
-  return r;
-#else
-  return (a & m) | (b & ~m);
-#endif
-}
+QP_HD uint32_t select_bits(uint32_t a, uint32_t b, uint32_t m) { return lop3<0xE4u>(a, b, m); }
 
 // ---- decoders: tile<U>(c, nb, lut, lanebits, a) = A registers of tile U of the group -------------
 
