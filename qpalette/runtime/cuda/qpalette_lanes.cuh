@@ -244,13 +244,14 @@ struct TcqLanes {
         const int n = KV * k + 16 - TW;  // halo bits in window k
         s[k] = n <= 0 ? own >> -n : funnel_l(halo, own, n);
       }
-    } else if constexpr (TW >= 32) {  // KV ≥ 8: own bits 0..31, the last 32 own bits, the halo's on top
-      const uint32_t first = lane_field<WPG>(c, P, 32, 0), last = lane_field<WPG>(c, P + TW - 32, 32, 0);
-      const uint32_t halo = lane_field<WPG>(nb, P, 32, 0);
+    } else if constexpr (TW >= 32) {  // KV ≥ 8: each window inside the own bits is one funnel shift of the
+      // lane's words; the rest join the last 32 own bits to the halo's. KV 9, 10: 27.2 / 26.2 → 24.3 / 24.1
+      // SASS instructions a tile against shifting two extracted 32-bit fields (results/kernels_h100/v13/)
+      const uint32_t last = lane_field<WPG>(c, P + TW - 32, 32, 0), halo = lane_field<WPG>(nb, P, 32, 0);
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        const int end = KV * k + 16;  // window k = stream bits [end − 16, end)
-        s[k] = end <= 32 ? first >> (32 - end) : end <= TW ? last >> (TW - end) : funnel_l(halo, last, end - TW);
+        const int end = KV * k + 16;  // window k = stream bits [end − 16, end): one funnel shift each
+        s[k] = end <= TW ? lane_field<WPG>(c, P + end - 16, 16, 0) : funnel_l(halo, last, end - TW);
       }
     } else {  // KV 3: the windows' 25 stream bits low-aligned in x (stream bit j at bit 24 − j): the own
       // 12 at 13..24, lane ℓ+1's 12 at 1..12, lane ℓ+2's first at 0. Each field lands in place with
