@@ -23,7 +23,7 @@ import torch
 
 from qpalette.errors import KernelError
 from qpalette.runtime import kernel_build
-from qpalette.runtime.ops import KERNEL_DTYPES, _num_sms, _stream
+from qpalette.runtime.ops import KERNEL_DTYPES, _num_sms, _pdl_on, _stream
 
 KERNEL_HEAD_DIMS = (64, 128)
 KERNEL_MAX_GROUPS = 8
@@ -92,7 +92,7 @@ def _decode_attention_cuda(q, k, v, mask, scale):
     dev = q.device
     with torch.cuda.device(dev):
         return kernel_build.extension(dev).decode_attention(
-            q.contiguous(), k, v, None if mask is None else mask.contiguous(), scale, _stream(dev), _num_sms(dev))
+            q.contiguous(), k, v, None if mask is None else mask.contiguous(), scale, _stream(dev), _num_sms(dev), _pdl_on(dev))
 
 
 @decode_attention.register_fake
@@ -172,7 +172,7 @@ def _rope_cache_attention_cuda(q, k_new, v_new, cos, sin, key_cache, value_cache
     with torch.cuda.device(dev):
         return kernel_build.extension(dev).rope_cache_attention(
             q, k_new, v_new, cos, sin, key_cache, value_cache, slot,
-            None if mask is None else mask.contiguous(), scale, _stream(dev), _num_sms(dev))
+            None if mask is None else mask.contiguous(), scale, _stream(dev), _num_sms(dev), _pdl_on(dev))
 
 
 @rope_cache_attention.register_fake

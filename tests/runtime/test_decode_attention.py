@@ -243,6 +243,44 @@ def test_rope_kernel_in_a_cuda_graph_writes_the_slot_it_reads_at_replay():
     assert torch.equal(vc[:, :, 100:103], v_new.reshape(2, 8, 1, 128).expand(2, 8, 3, 128))
 
 
+@pytest.mark.gpu
+def test_rope_kernel_waits_for_the_projection_that_writes_its_input():
+    """With programmatic dependent launch the attention may start while the q/k/v GEMV before it
+    still runs (here a K = 14336 projection on clusters that leave SMs free). Replayed as one CUDA
+    graph (back to back, as in a decode step) with fresh inputs each time, it must read q, k_new and
+    v_new only after the GEMV wrote them: a read before sees the previous replay's rows."""
+    _cuda()
+    from qpalette.quant.palette import get_quantizer
+    from qpalette.runtime import lanes, ops
+    from qpalette.runtime.decode_attention import rope_cache_attention, rope_cache_reference
+
+    b, h, kv, d, n = 1, 32, 8, 128, 14336
+    rows = (h + 2 * kv) * d
+    gen = torch.Generator().manual_seed(0)
+    stored = {k: v.cuda() for k, v in get_quantizer("tcq-2.0").random_tensors(rows, n, gen).items()}
+    tensors = lanes.pack("tcq-2.0", stored)
+    _, _, _, cos, sin, kc, vc, slot, m = _rope_inputs(b, h, kv, 300, d, torch.float16, "cuda", "bool", slot=200)
+    x = torch.randn(1, b, n, device="cuda", dtype=torch.float16)
+
+    def step():
+        qkv = ops.quantized_matmul(x, "tcq-2.0", tensors, (rows, n))[0]
+        q, k_new, v_new = qkv[:, : h * d], qkv[:, h * d : (h + kv) * d], qkv[:, (h + kv) * d :]
+        return q, k_new, v_new, rope_cache_attention(q, k_new, v_new, cos, sin, kc, vc, slot, m, d ** -0.5)
+
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q, k_new, v_new, out = step()
+    for i in range(20):
+        x.normal_()
+        before = [kc.clone(), vc.clone()]
+        graph.replay()
+        torch.cuda.synchronize()
+        want = rope_cache_reference(q.clone(), k_new.clone(), v_new.clone(), cos, sin, *before, slot, m, d ** -0.5)
+        torch.testing.assert_close(out.float(), want.float(), rtol=2e-3, atol=2e-3, msg=lambda s: f"replay {i}: {s}")
+        assert torch.equal(vc[:, :, 200], v_new.reshape(b, kv, d)), f"replay {i}: the value row written"
+
+
 def test_rope_fallback_off_the_kernel_writes_the_caches_and_attends_like_the_reference():
     """Where the rope kernel does not apply (here: CPU tensors) the CUDA implementation ropes and
     writes in torch and hands the attention to decode_attention's own choice (packed SDPA here)."""

@@ -292,7 +292,7 @@ qp::DecodeAttentionArgs attention_args(const at::Tensor& k, const at::Tensor& v,
 }
 
 // Runs the kernel(s) of `a` into a new (B, H, D) output (the split partials allocated here).
-at::Tensor run_attention(qp::DecodeAttentionArgs& a, const at::Tensor& like, int64_t stream, int64_t num_sms) {
+at::Tensor run_attention(qp::DecodeAttentionArgs& a, const at::Tensor& like, int64_t stream, int64_t num_sms, bool pdl) {
   auto out = at::empty({a.batch, a.heads, a.head_dim}, like.options());
   const int splits = qp::decode_attention_splits(a.batch, a.kv_heads, a.length, static_cast<int>(num_sms));
   at::Tensor partial;
@@ -302,6 +302,7 @@ at::Tensor run_attention(qp::DecodeAttentionArgs& a, const at::Tensor& like, int
   }
   a.out = out.data_ptr();
   a.num_sms = static_cast<int>(num_sms);
+  a.pdl = pdl;
   a.stream = reinterpret_cast<void*>(stream);
   check(qp::decode_attention(a), "qpalette decode attention");
   return out;
@@ -310,14 +311,14 @@ at::Tensor run_attention(qp::DecodeAttentionArgs& a, const at::Tensor& like, int
 // Decode attention out (B, H, D) of one query token: q (B, H, D), k and v (B, KV, L, D), mask
 // (B or 1, L) bool or in q's dtype (additive), or none (qpalette_kernels.h, decode_attention.cu).
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const c10::optional<at::Tensor>& mask, double scale, int64_t stream, int64_t num_sms) {
+                            const c10::optional<at::Tensor>& mask, double scale, int64_t stream, int64_t num_sms, bool pdl) {
   check_cuda(q, "q");
   TORCH_CHECK(q.dim() == 3, "q must be (B, H, D)");
   qp::DecodeAttentionArgs a = attention_args(k, v, mask, q.size(0), q.size(1), q.size(2), q);
   a.q = q.data_ptr();
   a.q_stride = q.size(1) * q.size(2);
   a.scale = static_cast<float>(scale);
-  return run_attention(a, q, stream, num_sms);
+  return run_attention(a, q, stream, num_sms, pdl);
 }
 
 // The new token's attention with rope and the cache update in the kernel (decode_attention.cu):
@@ -327,7 +328,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 at::Tensor rope_cache_attention(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
                                 const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k, const at::Tensor& v,
                                 const at::Tensor& slot, const c10::optional<at::Tensor>& mask,
-                                double scale, int64_t stream, int64_t num_sms) {
+                                double scale, int64_t stream, int64_t num_sms, bool pdl) {
   const int64_t head_dim = k.size(3), batch = q.size(0);
   TORCH_CHECK(q.dim() == 2 && k_new.dim() == 2 && v_new.sizes() == k_new.sizes() && q.size(1) % head_dim == 0 &&
                   k_new.size(1) == k.size(1) * head_dim && k_new.size(0) == batch,
@@ -355,7 +356,7 @@ at::Tensor rope_cache_attention(const at::Tensor& q, const at::Tensor& k_new, co
   a.cos_stride = cos.size(0) == 1 ? 0 : cos.stride(0);
   a.slot = reinterpret_cast<const long long*>(slot.data_ptr<int64_t>());
   a.scale = static_cast<float>(scale);
-  return run_attention(a, q, stream, num_sms);
+  return run_attention(a, q, stream, num_sms, pdl);
 }
 
 }  // namespace

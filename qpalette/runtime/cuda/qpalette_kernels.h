@@ -131,6 +131,7 @@ struct DecodeAttentionArgs {
   float scale;
   int dtype;
   int num_sms;
+  int pdl;       // launched with programmatic dependent launch (Hopper on): may start during the kernel before
   void* stream;  // cudaStream_t
 };
 int decode_attention_splits(int batch, int kv_heads, int length, int num_sms);
