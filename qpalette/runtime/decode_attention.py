@@ -92,7 +92,8 @@ def _decode_attention_cuda(q, k, v, mask, scale):
     dev = q.device
     with torch.cuda.device(dev):
         return kernel_build.extension(dev).decode_attention(
-            q.contiguous(), k, v, None if mask is None else mask.contiguous(), scale, _stream(dev), _num_sms(dev), _pdl_on(dev))
+            q.contiguous(), k, v, None if mask is None else mask.contiguous(), scale, _stream(dev), _num_sms(dev),
+            _pdl_on(dev))
 
 
 @decode_attention.register_fake

@@ -181,8 +181,6 @@ __global__ void __launch_bounds__(WARPS * 32) decode_attention_kernel(DecodeAtte
     pdl_wait();  // q, k_new and v_new are the previous kernel's output
     if (slot >= base && slot < min(base + 32, end))  // the new token's value row, in the first block
       for (int c = lane; c < ROW_CHUNKS; c += 32) cp_async16(staged + ((slot - base) * ROW_CHUNKS + c) * 8, vnew + c * 8);
-  }
-  if (rope) {
     const T* cs = static_cast<const T*>(a.cos) + b * a.cos_stride;
     const T* sn = static_cast<const T*>(a.sin) + b * a.cos_stride;
     for (int i = threadIdx.x; i < G * D; i += blockDim.x)
