@@ -383,10 +383,7 @@ bool decode_attention_clustered(int batch, int kv_heads, int splits, int num_sms
   return current_device(dev) == OK && dev.major >= 9;  // clusters: Hopper on
 }
 
-int decode_attention(const DecodeAttentionArgs& args) {
-  DecodeAttentionArgs a = args;
-  DeviceInfo dev;
-  if (a.pdl && (current_device(dev) != OK || dev.major < 9)) a.pdl = 0;  // PDL: Hopper on
+int decode_attention(const DecodeAttentionArgs& a) {
   if (a.heads % a.kv_heads != 0 || a.length < 1 || a.batch < 1 || a.batch * a.kv_heads > 65535) return UNSUPPORTED;
   const int groups = a.heads / a.kv_heads;
   return a.dtype == BF16 ? launch_dims<__nv_bfloat16>(a, groups) : launch_dims<__half>(a, groups);

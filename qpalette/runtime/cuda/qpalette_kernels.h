@@ -131,7 +131,8 @@ struct DecodeAttentionArgs {
   float scale;
   int dtype;
   int num_sms;
-  int pdl;       // launched with programmatic dependent launch (Hopper on): may start during the kernel before
+  int pdl;       // launched with programmatic dependent launch, so it may start during the kernel before;
+                 // Hopper on only: the caller decides, as for hadamard (ops._pdl_on)
   void* stream;  // cudaStream_t
 };
 int decode_attention_splits(int batch, int kv_heads, int length, int num_sms);
