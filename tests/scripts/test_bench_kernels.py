@@ -28,3 +28,13 @@ def test_targets_gate_rows_of_a_run_that_named_shapes_by_size():
     by_what = {g["what"]: g for g in script.gates(rows, [1, 8])}
     assert by_what["4096x4096 tcq-2.0 b1 µs"]["limit"] == 4.5 and not by_what["4096x4096 tcq-2.0 b1 µs"]["met"]
     assert by_what["4096x4096 tcq-2.0 b8/b1"]["met"]
+
+
+@pytest.mark.parametrize("device, said", [("NVIDIA H100 80GB HBM3", False), ("NVIDIA H200", True)])
+def test_the_report_says_when_the_us_targets_belong_to_another_gpu(device, said):
+    script = load_script("bench_kernels")
+    rows = [{"shape": "q/o 4096x4096", "rows": 4096, "cols": 4096, "entry": "tcq-2.0", "batch": m, "us": us,
+             "roofline_fraction": 0.2} for m, us in ((1, 5.75), (8, 6.32))]
+    meta = {"device": device, "dtype": "float16", "copy_bandwidth_Bps": 4.1e12, "rotate_us": {},
+            "gates": script.gates(rows, [1, 8])}
+    assert ("issue 14's H100 targets" in script.render(rows, [1, 8], meta)) == said
