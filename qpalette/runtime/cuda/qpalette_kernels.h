@@ -132,7 +132,7 @@ struct DecodeAttentionArgs {
   int dtype;
   int num_sms;
   int pdl;       // launched with programmatic dependent launch, so it may start during the kernel before;
-                 // Hopper on only: the caller decides, as for hadamard (ops._pdl_on)
+                 // only on Hopper, which the caller decides (as for hadamard: ops._pdl_on)
   void* stream;  // cudaStream_t
 };
 int decode_attention_splits(int batch, int kv_heads, int length, int num_sms);
