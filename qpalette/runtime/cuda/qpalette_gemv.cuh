@@ -236,7 +236,7 @@ __device__ __forceinline__ void fill_byte_pairs(uint32_t* lut, const uint32_t* s
 // thread (all in flight: they come from L2), then stores them (and their sign-flipped copies in a
 // folded table).
 template <class L>
-__device__ __forceinline__ void fill_table(uint32_t* lut, const uint32_t* src) {
+__device__ __forceinline__ void fill_table_any(uint32_t* lut, const uint32_t* src) {
   if constexpr (L::BYTE_PAIRS) {
     fill_byte_pairs<L>(lut, src);
     return;
@@ -262,6 +262,63 @@ __device__ __forceinline__ void fill_table(uint32_t* lut, const uint32_t* src) {
   }
 }
 
+// The same table from a CTA of exactly NT threads, when the pieces split evenly over them: every
+// thread's loads and stores sit at compile-time offsets from one address, no bounds, no loop. The
+// prologue runs once a launch at a low issue rate, and fill_table_any's runtime strides and
+// predicates made it ~175 (byte pairs) and ~190 (TCQ) instructions a warp.
+template <class L, int NT>
+__device__ __forceinline__ bool fill_table_even(uint32_t* lut, const uint32_t* src) {
+  uint4* l4 = reinterpret_cast<uint4*>(lut);
+  const int t = threadIdx.x;
+  if constexpr (L::BYTE_PAIRS) {
+    constexpr int PIECES = L::WORDS / 4, PER = PIECES / NT;
+    if constexpr (PIECES % NT != 0 || PER > 8 || NT % 256 != 0) {
+      return false;
+    } else {
+      // piece i's words are codes i >> 8 and (i >> 4) & 15 (L::source): over pieces t + k·NT the
+      // second stays, the first steps by NT / 256 (the compiler did not see it: ~100 instructions)
+      static_assert(L::SOURCE == 16 && L::LOGS == 6, "byte-pair layout");
+      const uint32_t lo = __ldg(src + L::source(4 * t + 1));
+      const uint32_t* hs = src + L::source(4 * t);
+      uint32_t hi[PER];
+#pragma unroll
+      for (int k = 0; k < PER; ++k) hi[k] = __ldg(hs + k * (NT / 256));
+#pragma unroll
+      for (int k = 0; k < PER; ++k) l4[t + k * NT] = make_uint4(hi[k], lo, hi[k], lo);
+      return true;
+    }
+  } else {
+    constexpr int E = L::SOURCE, PIECES = L::C / 4, STRIDE4 = L::STRIDE / 4, STEP = NT / PIECES;
+    if constexpr (NT % PIECES != 0 || E % STEP != 0 || E / STEP > 8) {
+      return false;
+    } else {
+      constexpr int PER = E / STEP;  // entries a thread, STEP apart
+      const uint32_t* s = src + t / PIECES;
+      uint4* d = l4 + (t / PIECES) * STRIDE4 + t % PIECES;
+      uint32_t v[PER];
+#pragma unroll
+      for (int k = 0; k < PER; ++k) v[k] = __ldg(s + k * STEP);
+#pragma unroll
+      for (int k = 0; k < PER; ++k) {
+        d[k * STEP * STRIDE4] = make_uint4(v[k], v[k], v[k], v[k]);
+        if constexpr (L::STORED > E) {
+          const uint32_t n = v[k] ^ 0x8000u;
+          d[(k * STEP + E) * STRIDE4] = make_uint4(n, n, n, n);
+        }
+      }
+      return true;
+    }
+  }
+}
+
+// the table from the CTA's nt threads: the even split when nt is the full CTA and it applies
+template <class L>
+__device__ __forceinline__ void fill_table(uint32_t* lut, const uint32_t* src, int nt) {
+  constexpr int FULL = MAX_WARPS * 32;
+  if (nt == FULL && fill_table_even<L, FULL>(lut, src)) return;
+  fill_table_any<L>(lut, src);
+}
+
 // The activations of this CTA's padded columns → shared memory (zeros on padding tiles): thread t
 // stages 16-byte chunk t of every row (chunks = 16·cgc ≤ the CTA's threads, as nw ≥ cgc / NG), all
 // rows' loads in flight at once; no division by a runtime value (each costs ~20 instructions, and
@@ -275,6 +332,11 @@ __device__ __forceinline__ void stage_x(const GemvParams& p, uint32_t* xs, int r
   const int lt = (gg - (s ? p.seg[0].cg : 0)) * 8 + (ch & 15) / 2;  // tile inside the segment
   const bool valid = gg < p.seg[0].cg + p.seg[1].cg && lt < (s ? p.seg[1].ct : p.seg[0].ct);
   const T* src = reinterpret_cast<const T*>(p.x) + (s ? p.seg[1].col0 : 0) + lt * 16 + (ch & 1) * 8;
+  if (p.m == 1) {  // batch 1 on its own path: the rows' predicated loads and stores cost ~120
+                   // instructions a warp of a prologue that runs at a low issue rate
+    *reinterpret_cast<uint4*>(xs + 4 * ch) = valid ? __ldg(reinterpret_cast<const uint4*>(src)) : make_uint4(0, 0, 0, 0);
+    return;
+  }
   uint4 v[MAX_ROWS];
 #pragma unroll
   for (int r = 0; r < MAX_ROWS; ++r)
@@ -527,7 +589,7 @@ __device__ __forceinline__ void gemv_body(const GemvParams& p) {
 #pragma unroll
   for (int s = 0; s < RR - 1; ++s)
     if (s < nrows) load_item(code[s], s);
-  fill_table<L>(lut, p.lut);
+  fill_table<L>(lut, p.lut, nt);
   // 2. x may be written by the previous kernel: wait for it (no-op without PDL)
   const uint64_t hneg = rotation_factor_row(p, rank);
   pdl_wait();
@@ -706,7 +768,7 @@ template <class DA, class DB, class T>
 __global__ void __launch_bounds__(256) dequant_kernel(const DequantParams p) {
   using L = typename Pair<DA, DB>::L;
   extern __shared__ __align__(16) uint32_t smem[];
-  fill_table<L>(smem, p.lut);
+  fill_table_any<L>(smem, p.lut);
   __syncthreads();
   const int lane = threadIdx.x & 31;
   const int gtot = p.seg[0].cg + p.seg[1].cg;
