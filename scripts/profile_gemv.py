@@ -2,8 +2,13 @@
 """One GEMV call per shape, marked for Nsight Compute: what `ncu` profiles when a kernel needs
 reading (stall reasons, issue rate, memory throughput), without the benchmark's graph replay.
 
-    ncu --set full --nvtx --nvtx-include "qpalette/" -o REPORT \\
+    ncu --set full --cache-control none --nvtx --nvtx-include "qpalette/" -o REPORT \\
         python scripts/profile_gemv.py --entry tcq-2.0 --shapes 4096x14336,14336x4096 [--batch 1] [--rotate]
+
+`--cache-control none` keeps the caches between ncu's replay passes, as when the benchmark runs the
+kernel back to back. ncu's default flushes them before each pass, and the cold instruction cache then
+shows as a large "no instruction" stall (4.4-6.5 cycles an instruction against 0.1 warm on an H200:
+results/kernels_h200/v15/ncu/warp_state.md).
 
 Each shape gets random codes of the entry (speed does not depend on their values), a warm-up call
 outside any range (it builds the kernels and uploads the table), then exactly one call inside the
