@@ -262,51 +262,50 @@ __device__ __forceinline__ void fill_table_any(uint32_t* lut, const uint32_t* sr
   }
 }
 
-// The same table from a CTA of exactly NT threads, when the pieces split evenly over them: every
-// thread's loads and stores sit at compile-time offsets from one address, no bounds, no loop. The
-// prologue runs once a launch at a low issue rate, and fill_table_any's runtime strides and
-// predicates made it ~175 (byte pairs) and ~190 (TCQ) instructions a warp.
+// Whether a CTA of NT threads splits the table's 16-byte pieces evenly, at most 8 a thread (byte
+// pairs: whole steps of 256 pieces, see fill_table_even)
 template <class L, int NT>
-__device__ __forceinline__ bool fill_table_even(uint32_t* lut, const uint32_t* src) {
+__host__ __device__ constexpr bool fills_evenly() {
+  if constexpr (L::BYTE_PAIRS) return (L::WORDS / 4) % NT == 0 && (L::WORDS / 4) / NT <= 8 && NT % 256 == 0;
+  else return NT % (L::C / 4) == 0 && L::SOURCE % (NT / (L::C / 4)) == 0 && L::SOURCE / (NT / (L::C / 4)) <= 8;
+}
+
+// The same table from a CTA of exactly NT threads that fills it evenly: every thread's loads and
+// stores sit at compile-time offsets from one address, no bounds, no loop. The prologue runs once a
+// launch at a low issue rate, and fill_table_any's runtime strides and predicates made it ~175 (byte
+// pairs) and ~190 (TCQ) instructions a warp.
+template <class L, int NT>
+__device__ __forceinline__ void fill_table_even(uint32_t* lut, const uint32_t* src) {
+  static_assert(fills_evenly<L, NT>(), "an even split");
   uint4* l4 = reinterpret_cast<uint4*>(lut);
   const int t = threadIdx.x;
   if constexpr (L::BYTE_PAIRS) {
-    constexpr int PIECES = L::WORDS / 4, PER = PIECES / NT;
-    if constexpr (PIECES % NT != 0 || PER > 8 || NT % 256 != 0) {
-      return false;
-    } else {
-      // piece i's words are codes i >> 8 and (i >> 4) & 15 (L::source): over pieces t + k·NT the
-      // second stays, the first steps by NT / 256 (the compiler did not see it: ~100 instructions)
-      static_assert(L::SOURCE == 16 && L::LOGS == 6, "byte-pair layout");
-      const uint32_t lo = __ldg(src + L::source(4 * t + 1));
-      const uint32_t* hs = src + L::source(4 * t);
-      uint32_t hi[PER];
+    constexpr int PER = L::WORDS / 4 / NT;
+    // piece i's words are codes i >> 8 and (i >> 4) & 15 (L::source): over pieces t + k·NT the
+    // second stays, the first steps by NT / 256 (the compiler did not see it: ~100 instructions)
+    static_assert(L::SOURCE == 16 && L::LOGS == 6, "byte-pair layout");
+    const uint32_t lo = __ldg(src + L::source(4 * t + 1));
+    const uint32_t* hs = src + L::source(4 * t);
+    uint32_t hi[PER];
 #pragma unroll
-      for (int k = 0; k < PER; ++k) hi[k] = __ldg(hs + k * (NT / 256));
+    for (int k = 0; k < PER; ++k) hi[k] = __ldg(hs + k * (NT / 256));
 #pragma unroll
-      for (int k = 0; k < PER; ++k) l4[t + k * NT] = make_uint4(hi[k], lo, hi[k], lo);
-      return true;
-    }
+    for (int k = 0; k < PER; ++k) l4[t + k * NT] = make_uint4(hi[k], lo, hi[k], lo);
   } else {
     constexpr int E = L::SOURCE, PIECES = L::C / 4, STRIDE4 = L::STRIDE / 4, STEP = NT / PIECES;
-    if constexpr (NT % PIECES != 0 || E % STEP != 0 || E / STEP > 8) {
-      return false;
-    } else {
-      constexpr int PER = E / STEP;  // entries a thread, STEP apart
-      const uint32_t* s = src + t / PIECES;
-      uint4* d = l4 + (t / PIECES) * STRIDE4 + t % PIECES;
-      uint32_t v[PER];
+    constexpr int PER = E / STEP;  // entries a thread, STEP apart
+    const uint32_t* s = src + t / PIECES;
+    uint4* d = l4 + (t / PIECES) * STRIDE4 + t % PIECES;
+    uint32_t v[PER];
 #pragma unroll
-      for (int k = 0; k < PER; ++k) v[k] = __ldg(s + k * STEP);
+    for (int k = 0; k < PER; ++k) v[k] = __ldg(s + k * STEP);
 #pragma unroll
-      for (int k = 0; k < PER; ++k) {
-        d[k * STEP * STRIDE4] = make_uint4(v[k], v[k], v[k], v[k]);
-        if constexpr (L::STORED > E) {
-          const uint32_t n = v[k] ^ 0x8000u;
-          d[(k * STEP + E) * STRIDE4] = make_uint4(n, n, n, n);
-        }
+    for (int k = 0; k < PER; ++k) {
+      d[k * STEP * STRIDE4] = make_uint4(v[k], v[k], v[k], v[k]);
+      if constexpr (L::STORED > E) {
+        const uint32_t n = v[k] ^ 0x8000u;
+        d[(k * STEP + E) * STRIDE4] = make_uint4(n, n, n, n);
       }
-      return true;
     }
   }
 }
@@ -315,7 +314,12 @@ __device__ __forceinline__ bool fill_table_even(uint32_t* lut, const uint32_t* s
 template <class L>
 __device__ __forceinline__ void fill_table(uint32_t* lut, const uint32_t* src, int nt) {
   constexpr int FULL = MAX_WARPS * 32;
-  if (nt == FULL && fill_table_even<L, FULL>(lut, src)) return;
+  if constexpr (fills_evenly<L, FULL>()) {
+    if (nt == FULL) {
+      fill_table_even<L, FULL>(lut, src);
+      return;
+    }
+  }
   fill_table_any<L>(lut, src);
 }
 
