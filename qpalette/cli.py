@@ -300,7 +300,8 @@ def plan(
         "a_l·err(q) (then --sensitivity is optional)."
     ),
     latency_profile: Optional[Path] = typer.Option(
-        None, "--latency-profile", "-l", help="qpalette.latency/1 JSON; needed for tok/s or ms budgets."
+        None, "--latency-profile", "-l", help="qpalette.latency/1 JSON for tok/s or ms budgets (default: a shipped profile of "
+        "the model's shapes, the one measured on this GPU when there is one)."
     ),
     distortion: Optional[Path] = typer.Option(
         None, help="Distortion table (default: the shipped measured one)."

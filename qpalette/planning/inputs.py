@@ -272,9 +272,11 @@ def shipped_latency_profiles() -> list[Path]:
     return sorted(profiles_dir().glob("*_latency_*_b*.json"))
 
 
-def find_shipped_profile(layers, batch_size: int | None, check) -> LatencyProfile | None:
-    """The first shipped profile whose group shapes fit the model (`check` raises InputError
-    when they do not) at the batch size asked for (default 1); None if there is none."""
+def find_shipped_profile(layers, batch_size: int | None, check, gpu: str | None = None) -> LatencyProfile | None:
+    """A shipped profile whose group shapes fit the model (`check` raises InputError when they do
+    not) at the batch size asked for (default 1): the one measured on `gpu` (a device name as
+    torch reports it) if there is one, else the first; None if none fits."""
+    fitting = []
     for path in shipped_latency_profiles():
         prof = LatencyProfile.load(path)
         if prof.batch_size != (batch_size or 1) or not prof.shapes:
@@ -283,5 +285,6 @@ def find_shipped_profile(layers, batch_size: int | None, check) -> LatencyProfil
             check(prof, layers)
         except InputError:
             continue
-        return prof
-    return None
+        fitting.append(prof)
+    same_gpu = [prof for prof in fitting if gpu is not None and prof.device == gpu]
+    return (same_gpu or fitting or [None])[0]

@@ -331,7 +331,8 @@ def _latency_profile(path: str | None, speed: bool, layers, batch_size: int | No
     shapes (noted). The profile's batch size must be the one asked for."""
     prof = LatencyProfile.load(path) if path else None
     if speed and prof is None:
-        prof = find_shipped_profile(layers, batch_size, check_latency_profile)
+        gpu = local_gpu_name()
+        prof = find_shipped_profile(layers, batch_size, check_latency_profile, gpu)
         if prof is None:
             shipped = ", ".join(p.name for p in shipped_latency_profiles()) or "none"
             raise InputError(
@@ -339,8 +340,9 @@ def _latency_profile(path: str | None, speed: bool, layers, batch_size: int | No
                 f"batch {batch_size or 1}: measure one with `qpalette profile MODEL` on your GPU and "
                 f"pass --latency-profile (shipped: {shipped})"
             )
-        notes.append(f"latency profile: the shipped {Path(prof.path).name} ({prof.device}), "
-                     "chosen because its shapes match; pass --latency-profile to use your own GPU's")
+        why = "its shapes match and it was measured on this GPU" if prof.device == gpu else "its shapes match"
+        notes.append(f"latency profile: the shipped {Path(prof.path).name} ({prof.device}), chosen because "
+                     f"{why}; pass --latency-profile to use your own GPU's (`qpalette profile`)")
     if prof is not None and batch_size is not None and batch_size != prof.batch_size:
         raise InputError(
             f"latency profile {prof.path} was measured at batch size {prof.batch_size}, "
@@ -413,6 +415,14 @@ def _portable(path) -> str | None:
     p = Path(path).resolve()
     shipped = profiles_dir().resolve()
     return f"{SHIPPED}{p.relative_to(shipped).as_posix()}" if p.is_relative_to(shipped) else str(path)
+
+
+def local_gpu_name() -> str | None:
+    """The name of the GPU plans are made on (torch's name for device 0), None without one: a speed
+    plan made there defaults to the shipped profile measured on that GPU."""
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
 
 
 def shipped_path(path: str | None) -> str | None:

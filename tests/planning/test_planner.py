@@ -195,6 +195,25 @@ def test_speed_budget_without_profile_uses_a_matching_shipped_one(tmp_path):
         assert p.totals["tok_per_s"] >= 150 * (1 - 1e-6)
 
 
+def test_shipped_profile_follows_the_gpu_at_hand(monkeypatch):
+    """Llama-3.1-8B shapes have shipped H100 and H200 profiles: a speed plan made on an H200 prices
+    its layers with the H200's; on a GPU without one, or without a GPU, the first (H100) is used."""
+    import qpalette.planning.planner as planner
+    from qpalette.planning.inputs import find_shipped_profile
+    from qpalette.planning.program import check_latency_profile
+
+    layers = linear_layers(load_config(MODEL))
+    for gpu, shipped in [(None, "h100"), ("NVIDIA A100-SXM4-80GB", "h100"), ("NVIDIA H200", "h200")]:
+        for bs in (1, 8):
+            prof = find_shipped_profile(layers, bs, check_latency_profile, gpu)
+            assert Path(prof.path).name == f"{shipped}_latency_llama31_8b_b{bs}.json"
+    monkeypatch.setattr(planner, "local_gpu_name", lambda: "NVIDIA H200")
+    p = plan(MODEL, ["350tok/s"], sensitivity=SENS)
+    assert p.provenance["latency_profile"]["path"] == "qpalette:profiles/h200_latency_llama31_8b_b1.json"
+    assert any("measured on this GPU" in n for n in p.notes)
+    assert p.totals["tok_per_s"] >= 350 * (1 - 1e-6)
+
+
 def test_speed_budget_without_any_matching_profile_says_how_to_get_one(tiny_llama_dir, tmp_path):
     from helpers import fake_sensitivity
 
