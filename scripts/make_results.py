@@ -9,8 +9,9 @@ Reads (each section is skipped, saying so, when its input is missing):
                                          and peer rows), collect.json (calibration costs)
 - results/calibrate_smollm2/validation_gpu.json  scripts/validate_linearity.py: random mixes
 - results/kernels_h100/bench_kernels.json        scripts/bench_kernels.py
-- results/speed_llama8b_v3/*.json        `qpalette bench --json` of FP16 and compressed
-                                         synthetic Llama-3.1-8B models, and their plans
+- results/speed_llama8b_v10 … _v12/, results/speed_llama8b_h200/ (+ its run folders)
+                                         `qpalette bench --json` of FP16 and compressed synthetic
+                                         Llama-3.1-8B models, and their plans (H100, then H200)
 Numbers are printed as measured; nothing here is estimated.
 """
 
@@ -263,6 +264,39 @@ def speed(res: Path, variants: list[SpeedVariant], figdir: Path) -> list[str]:
     return out + ["", "![decode speed](results/decode_llama8b.png)", ""] + (
         next((t for t in newest if t), None)
         or breakdown(res / "speed_llama8b_v4", " — kernels of 2026-11-27, `results/speed_llama8b_v4/`"))
+
+
+# the H200 decode runs (the same harness; no H100 was lent in these sessions), oldest first
+H200_SPEED_RUNS = ("speed_llama8b_h200", "speed_llama8b_h200/run_o", "speed_llama8b_h200/run_p",
+                   "speed_llama8b_h200/speed_plans_p")
+
+
+def speed_h200(res: Path) -> list[str]:
+    """Section (d)'s H200 table: each variant's newest run against that run's FP16, in the compiled
+    loop and qpalette's decoder (the path `generate` uses), with the speed plans' planned tok/s."""
+    variants = speed_variants(res, H200_SPEED_RUNS)
+    out = ["### On an NVIDIA H200 (`results/speed_llama8b_h200/`)", ""]
+    if not variants:
+        return out + ["(no data)", ""]
+    out += ["Same harness and settings as above, on H200s (one machine a run). The H200 has more memory "
+            "bandwidth than the H100, which speeds FP16 up by ~29% and the quantized kernels hardly at all, so "
+            "every ratio is smaller. speedN: plans made on the shipped H200 profile "
+            "(`profiles/h200_latency_llama31_8b_b1.json`).", "",
+            "| model | run | plan budget | batch | loop tok/s | loop × FP16 | decoder tok/s | decoder × FP16 | "
+            "planned tok/s | loop / planned |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for v in variants:
+        fp_rows = {r["batch_size"]: r for r in v.fp16["rows"]} if v.fp16 else {}
+        for r in v.bench["rows"]:
+            b, f = r["batch_size"], fp_rows.get(r["batch_size"]) or {}
+            planned = v.plan["totals"].get("tok_per_s") if v.plan and v.plan["options"].get("batch_size", 1) == b else None
+            budget = ", ".join(x["text"] for x in v.plan["budgets"]) if v.plan else "–"
+            loop, dec = r["loop_tok_per_s"], r.get("decoder_tok_per_s")
+            ratio = lambda x, y: f"{x / y:.2f}×" if x and y else "–"  # noqa: E731
+            plan_txt = "– | –" if planned is None else f"{planned:.1f} | {loop / planned:.3f}"
+            out.append(f"| {v.key} | {v.run.removeprefix('speed_llama8b_')} | {budget} | {b} | {loop:.1f} | "
+                       f"{ratio(loop, f.get('loop_tok_per_s'))} | {f'{dec:.1f}' if dec else '–'} | "
+                       f"{ratio(dec, f.get('decoder_tok_per_s'))} | {plan_txt} |")
+    return out + [""]
 
 
 def breakdown(folder: Path, note: str = "") -> list[str]:
@@ -592,6 +626,7 @@ def main() -> None:
     lines += kernels(bench, figdir, updated) if bench else ["## (c) Kernels", "", "(no kernel benchmark yet)", ""]
     speed_runs = speed_variants(res)  # the bench and plan files, read once for (d) and the targets
     lines += speed(res, speed_runs, figdir)
+    lines += speed_h200(res)
     lines += generation(res / "generate_h100")
     lines += data_aware(res / "sweep_smollm2_data_aware", figdir)
     lines += experts(res / "moe_h100")

@@ -54,6 +54,15 @@ def test_make_results_regenerates_report_from_results(tmp_path):
         loop = json.loads(bench.read_text())["rows"][0]["loop_tok_per_s"]
         assert f"| speed plan {key} lands within 5% of its planned tok/s | loop {loop / planned:.3f} of {planned:.1f} |" in targets
     assert "host time of one graph call" in text
+    h200 = text[text.index("### On an NVIDIA H200"):text.index("## (e)")]
+    h200_variants = script.speed_variants(ROOT / "results", script.H200_SPEED_RUNS)
+    assert {v.key for v in h200_variants} >= {"fp16", "2bit", "speed300"}
+    for v in h200_variants:  # every variant's rows, each against its own run's FP16
+        for r in v.bench["rows"]:
+            f = next(x for x in v.fp16["rows"] if x["batch_size"] == r["batch_size"])
+            ratio = r["loop_tok_per_s"] / f["loop_tok_per_s"]
+            assert f"| {v.key} | {v.run.removeprefix('speed_llama8b_')} |" in h200
+            assert f" | {r['batch_size']} | {r['loop_tok_per_s']:.1f} | {ratio:.2f}× |" in h200
     update = json.loads((ROOT / "results" / script.KERNEL_UPDATE).read_text())["rows"]
     row = next(r for r in update if r["entry"] == "tcq-2.0" and r["batch"] == 1 and r["shape"].startswith("gate/up"))
     assert f"| {row['shape']} | tcq-2.0 | {row['us']:.1f} |" in text  # the later run's rows replace the full table's
