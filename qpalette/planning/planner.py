@@ -340,7 +340,8 @@ def _latency_profile(path: str | None, speed: bool, layers, batch_size: int | No
                 f"batch {batch_size or 1}: measure one with `qpalette profile MODEL` on your GPU and "
                 f"pass --latency-profile (shipped: {shipped})"
             )
-        why = "its shapes match and it was measured on this GPU" if prof.device == gpu else "its shapes match"
+        on_this_gpu = gpu is not None and prof.device == gpu
+        why = "its shapes match and it was measured on this GPU" if on_this_gpu else "its shapes match"
         notes.append(f"latency profile: the shipped {Path(prof.path).name} ({prof.device}), chosen because "
                      f"{why}; pass --latency-profile to use your own GPU's (`qpalette profile`)")
     if prof is not None and batch_size is not None and batch_size != prof.batch_size:

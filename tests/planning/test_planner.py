@@ -212,6 +212,10 @@ def test_shipped_profile_follows_the_gpu_at_hand(monkeypatch):
     assert p.provenance["latency_profile"]["path"] == "qpalette:profiles/h200_latency_llama31_8b_b1.json"
     assert any("measured on this GPU" in n for n in p.notes)
     assert p.totals["tok_per_s"] >= 350 * (1 - 1e-6)
+    monkeypatch.setattr(planner, "local_gpu_name", lambda: None)
+    p = plan(MODEL, ["350tok/s"], sensitivity=SENS)
+    assert p.provenance["latency_profile"]["path"] == "qpalette:profiles/h100_latency_llama31_8b_b1.json"
+    assert not any("measured on this GPU" in n for n in p.notes)
 
 
 def test_speed_budget_without_any_matching_profile_says_how_to_get_one(tiny_llama_dir, tmp_path):
