@@ -205,6 +205,19 @@ def speed_variants(res: Path, runs: tuple[str, ...] = SPEED_RUNS) -> list[SpeedV
     return fp16 + sorted(latest.values(), key=lambda v: runs.index(v.run))
 
 
+def speed_row(v: SpeedVariant, r: dict, way: str) -> tuple[list[str], float | None]:
+    """The cells of variant v's bench row r (model, run, budget, batch, loop and `way`'s tok/s, each
+    against v's own run's FP16, then "planned | loop / planned") and the plan's tok/s at r's batch."""
+    b, plan = r["batch_size"], v.plan
+    f = next((x for x in v.fp16["rows"] if x["batch_size"] == b), {}) if v.fp16 else {}
+    planned = plan["totals"].get("tok_per_s") if plan and plan["options"].get("batch_size", 1) == b else None
+    loop, other = r["loop_tok_per_s"], r.get(way)
+    ratio = lambda x, y: f"{x / y:.2f}×" if x and y else "–"  # noqa: E731
+    return [v.key, v.run.removeprefix("speed_llama8b_"), ", ".join(x["text"] for x in plan["budgets"]) if plan else "–",
+            str(b), f"{loop:.1f}", ratio(loop, f.get("loop_tok_per_s")), f"{other:.1f}" if other else "–",
+            ratio(other, f.get(way)), "– | –" if planned is None else f"{planned:.1f} | {loop / planned:.3f}"], planned
+
+
 def speed(res: Path, variants: list[SpeedVariant], figdir: Path) -> list[str]:
     """Section (d) from `variants` (speed_variants of `res`)."""
     out = ["## (d) Decode speed: Llama-3.1-8B shapes (random weights), `qpalette bench`", ""]
@@ -232,21 +245,12 @@ def speed(res: Path, variants: list[SpeedVariant], figdir: Path) -> list[str]:
             "loop throughput | planned tok/s | loop / planned |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     bars = []
     for v in variants:
-        plan, fp_rows = v.plan, {r["batch_size"]: r for r in v.fp16["rows"]} if v.fp16 else {}
         for r in v.bench["rows"]:
-            b, f = r["batch_size"], fp_rows.get(r["batch_size"])
-            planned = plan["totals"].get("tok_per_s") if plan and plan["options"].get("batch_size", 1) == b else None
-            budget = ", ".join(x["text"] for x in plan["budgets"]) if plan else "–"
-            loop, gen = r["loop_tok_per_s"], r.get("tok_per_s")
-            ratio = lambda x, y: f"{x / y:.2f}×" if x and y else "–"  # noqa: E731
-            plan_txt = "– | –" if planned is None else f"{planned:.1f} | {loop / planned:.3f}"
-            out.append(f"| {v.key} | {v.run.removeprefix('speed_llama8b_')} | {budget} | {b} | {loop:.1f} | "
-                       f"{ratio(loop, f and f['loop_tok_per_s'])} | "
-                       f"{f'{gen:.1f}' if gen else '–'} | {ratio(gen, f and f.get('tok_per_s'))} | {r['loop_throughput_tok_per_s']:.1f} | "
-                       f"{plan_txt} |")
-            if b == 1:
+            cells, planned = speed_row(v, r, "tok_per_s")
+            out.append("| " + " | ".join(cells[:-1] + [f"{r['loop_throughput_tok_per_s']:.1f}", cells[-1]]) + " |")
+            if r["batch_size"] == 1:
                 label = v.key if v.key != "fp16" or len(fps) == 1 else f"fp16 {v.run.removeprefix('speed_llama8b_')}"
-                bars.append((label, loop, gen or float("nan"), planned))
+                bars.append((label, r["loop_tok_per_s"], r.get("tok_per_s") or float("nan"), planned))
     fig, ax = plt.subplots(figsize=(9, 4))
     x = range(len(bars))
     ax.bar([i - 0.2 for i in x], [b[1] for b in bars], 0.4, label="forward loop")
@@ -284,18 +288,7 @@ def speed_h200(res: Path) -> list[str]:
             "(`profiles/h200_latency_llama31_8b_b1.json`).", "",
             "| model | run | plan budget | batch | loop tok/s | loop × FP16 | decoder tok/s | decoder × FP16 | "
             "planned tok/s | loop / planned |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for v in variants:
-        fp_rows = {r["batch_size"]: r for r in v.fp16["rows"]} if v.fp16 else {}
-        for r in v.bench["rows"]:
-            b, f = r["batch_size"], fp_rows.get(r["batch_size"]) or {}
-            planned = v.plan["totals"].get("tok_per_s") if v.plan and v.plan["options"].get("batch_size", 1) == b else None
-            budget = ", ".join(x["text"] for x in v.plan["budgets"]) if v.plan else "–"
-            loop, dec = r["loop_tok_per_s"], r.get("decoder_tok_per_s")
-            ratio = lambda x, y: f"{x / y:.2f}×" if x and y else "–"  # noqa: E731
-            plan_txt = "– | –" if planned is None else f"{planned:.1f} | {loop / planned:.3f}"
-            out.append(f"| {v.key} | {v.run.removeprefix('speed_llama8b_')} | {budget} | {b} | {loop:.1f} | "
-                       f"{ratio(loop, f.get('loop_tok_per_s'))} | {f'{dec:.1f}' if dec else '–'} | "
-                       f"{ratio(dec, f.get('decoder_tok_per_s'))} | {plan_txt} |")
+    out += ["| " + " | ".join(speed_row(v, r, "decoder_tok_per_s")[0]) + " |" for v in variants for r in v.bench["rows"]]
     return out + [""]
 
 
