@@ -270,7 +270,7 @@ def speed(res: Path, variants: list[SpeedVariant], figdir: Path) -> list[str]:
         or breakdown(res / "speed_llama8b_v4", " — kernels of 2026-11-27, `results/speed_llama8b_v4/`"))
 
 
-# the H200 decode runs (the same harness; no H100 was lent in these sessions), oldest first
+# the H200 decode runs (the same harness; no H100 was available for them), oldest first
 H200_SPEED_RUNS = ("speed_llama8b_h200", "speed_llama8b_h200/run_o", "speed_llama8b_h200/run_p",
                    "speed_llama8b_h200/speed_plans_p")
 
