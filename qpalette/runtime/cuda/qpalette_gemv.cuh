@@ -135,6 +135,12 @@ __device__ __forceinline__ unsigned short ld_stream_u16(const __half* p) {
   return v;
 }
 
+// one word a lane, left as it was when `on` is false (a predicate, no branch)
+__device__ __forceinline__ void ld_stream1_if(uint32_t& c, const uint32_t* p, bool on) {
+  asm volatile("{\n.reg .pred q;\nsetp.ne.b32 q, %2, 0;\n@q ld.global.nc.L1::no_allocate.u32 %0, [%1];\n}\n"
+               : "+r"(c) : "l"(p), "r"(static_cast<int>(on)));
+}
+
 // lane's WPG words of the block at `blk` (planes: block_word)
 template <int WPG>
 __device__ __forceinline__ void load_group(uint32_t* c, const uint4* blk, int lane) {
@@ -150,6 +156,19 @@ __device__ __forceinline__ void load_group(uint32_t* c, const uint4* blk, int la
     c[4 * P4] = v.x; c[4 * P4 + 1] = v.y;
   }
   if constexpr (REM % 2) c[WPG - 1] = ld_stream1(tail + (REM >= 2 ? 64 : 0) + lane);
+}
+
+// Half-TCQ whose second half has one word a lane more than an even first (KV 2/3, 4/5, 6/7, 8/9):
+// the second layout is the first plus a last plane of one word (block_word), so a group of either
+// half is the first layout's loads and that word's load under a predicate, into the same registers
+// and without a branch. With a branch a group, ptxas joined the two layouts' registers by moves that
+// waited for the loads: long-scoreboard stalls of 2.8 against tcq-3.5's 1.2 cycles an instruction
+// (results/kernels_h200/v17/).
+template <int WA, int WB>
+__device__ __forceinline__ void load_group_either(uint32_t* c, const uint4* blk, int lane, bool b) {
+  static_assert(WA % 2 == 0 && WB == WA + 1, "the second layout: the first and one more word");
+  load_group<WA>(c, blk, lane);
+  ld_stream1_if(c[WA], reinterpret_cast<const uint32_t*>(blk) + 32 * WA + lane, b);
 }
 
 // the words of lanes ℓ+1 (and ℓ+2) that TCQ windows reach into
@@ -191,6 +210,10 @@ struct Pair {
   static constexpr bool SHARE_ROTATION = !TWO && WMAX <= 12;
   // the staging that forms its input (silu(gate) ⊙ up, add + RMSNorm): the same registers to spare
   static constexpr bool FORMS_INPUT = SHARE_ROTATION;
+  // half-TCQ: one branch-free load for both halves (load_group_either). The pairs whose trailing
+  // planes differ in width (KV 3/4, 5/6, 7/8, 9/10) keep a branch: predicated loads of both into
+  // the same registers made each wait for the other, and half-tcq-3.75 got 4-10% slower (v17)
+  static constexpr bool LOAD_EITHER = TWO && DA::WPG % 2 == 0 && DB::WPG == DA::WPG + 1;
   static_assert(DA::L::WORDS == DB::L::WORDS && DA::L::C == DB::L::C && DA::L::STRIDE == DB::L::STRIDE,
                 "the two halves share one table");
 };
@@ -575,6 +598,9 @@ __device__ __forceinline__ void gemv_body(const GemvParams& p) {
             static_cast<size_t>(gg - (gb[g] ? p.seg[0].cg : 0)) * blk4;
   }
   uint32_t code[RR][NG][WMAX];
+  if constexpr (PR::LOAD_EITHER)  // the first half's groups skip the predicated word: defined
+#pragma unroll
+    for (int i = 0; i < RR * NG; ++i) code[i / NG][i % NG][DA::WPG] = 0u;
   auto load_item = [&](uint32_t (&c)[NG][WMAX], int it) {
 #pragma unroll
     for (int g = 0; g < NG; ++g) {
@@ -585,7 +611,8 @@ __device__ __forceinline__ void gemv_body(const GemvParams& p) {
         continue;
       }
       const uint4* blk = gp[g] + it * gstride[g];
-      if (PR::TWO && gb[g]) load_group<DB::WPG>(c[g], blk, lane);
+      if constexpr (PR::LOAD_EITHER) load_group_either<DA::WPG, DB::WPG>(c[g], blk, lane, gb[g]);
+      else if (PR::TWO && gb[g]) load_group<DB::WPG>(c[g], blk, lane);
       else load_group<DA::WPG>(c[g], blk, lane);
     }
   };
