@@ -16,7 +16,8 @@ regrouped, a pure bit permutation:
 - TCQ with KV = 6 (24 bits a lane and tile) reorders each lane stream's 24 bytes so that its
   decoder needs no funnel shifts (`KV6_BYTES`).
 
-half-TCQ keeps its two halves as two such tensors. Only the code tensors change; `unpack` gives
+half-TCQ keeps its two halves as two such tensors; the second half's lanes hold one word more, laid
+out as the first half's planes and then that word's own plane (`block_order`). Only the code tensors change; `unpack` gives
 back the checkpoint's tensors exactly (state dicts and the CPU reference use it). The same
 definition in CUDA is `qpalette_lanes.cuh`.
 """
@@ -68,8 +69,15 @@ def groups(col_tiles: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def block_order(wpg: int) -> torch.Tensor:
-    """pos[ℓ·wpg + q] = where lane ℓ's word q lives in a block (planes of 4, then 2, then 1)."""
+def block_order(wpg: int, second_half: bool = False) -> torch.Tensor:
+    """pos[ℓ·wpg + q] = where lane ℓ's word q lives in a block (planes of 4, then 2, then 1).
+    `second_half`: half-TCQ's second half, whose lanes hold one word more than the first half's: the
+    first half's planes, then that word as a plane of its own, so that the GEMV loads a group of
+    either half with the same instructions (load_group_either in qpalette_gemv.cuh)."""
+    if second_half:
+        first = block_order(wpg - 1).view(LANES, wpg - 1)
+        last = LANES * (wpg - 1) + torch.arange(LANES).view(LANES, 1)
+        return torch.cat([first, last], 1).reshape(-1)
     full = wpg // 4 * 4
     pos = []
     for lane in range(LANES):
@@ -88,7 +96,7 @@ def _reorder_bytes(streams: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     return streams.reshape(*streams.shape[:-1], 24, 8)[..., order.to(streams.device), :].reshape(streams.shape)
 
 
-def _pack_rows(codes: torch.Tensor, kv6: bool) -> torch.Tensor:
+def _pack_rows(codes: torch.Tensor, kv6: bool, second_half: bool) -> torch.Tensor:
     rt, ct, w = codes.shape
     cg = groups(ct)
     padded = torch.zeros((rt, cg * GROUP_TILES, w), dtype=codes.dtype, device=codes.device)
@@ -99,13 +107,13 @@ def _pack_rows(codes: torch.Tensor, kv6: bool) -> torch.Tensor:
         streams = _reorder_bytes(streams, KV6_BYTES)
     words = pack_bits(streams).reshape(rt, cg, -1)
     out = torch.empty_like(words)
-    out[..., block_order(group_words(w)).to(codes.device)] = words
+    out[..., block_order(group_words(w), second_half).to(codes.device)] = words
     return out
 
 
-def _unpack_rows(lanes: torch.Tensor, col_tiles: int, tile_words: int, kv6: bool) -> torch.Tensor:
+def _unpack_rows(lanes: torch.Tensor, col_tiles: int, tile_words: int, kv6: bool, second_half: bool) -> torch.Tensor:
     rt, cg, _ = lanes.shape
-    words = lanes[..., block_order(group_words(tile_words)).to(lanes.device)]
+    words = lanes[..., block_order(group_words(tile_words), second_half).to(lanes.device)]
     streams = unpack_bits(words.reshape(rt, cg, LANES, -1))
     if kv6:
         streams = _reorder_bytes(streams, KV6_INVERSE)
@@ -114,31 +122,39 @@ def _unpack_rows(lanes: torch.Tensor, col_tiles: int, tile_words: int, kv6: bool
     return tiles[:, :col_tiles].contiguous()
 
 
-def pack_codes(codes: torch.Tensor, kv6: bool = False) -> torch.Tensor:
+def pack_codes(codes: torch.Tensor, kv6: bool = False, second_half: bool = False) -> torch.Tensor:
     """Checkpoint codes (row tiles, col tiles, W) → lane-major (row tiles, groups, 32·W/4); `kv6`:
-    TCQ codes of KV = 6 (W = 24), lane streams in the KV6_BYTES order."""
+    TCQ codes of KV = 6 (W = 24), lane streams in the KV6_BYTES order; `second_half`: half-TCQ's
+    second half (`block_order`)."""
     if kv6 and codes.shape[-1] != 24:
         raise ValueError(f"KV-6 byte order needs 24-word tiles, got {codes.shape[-1]}")
-    parts = [_pack_rows(codes[i : i + ROW_TILES_A_CHUNK], kv6) for i in range(0, codes.shape[0], ROW_TILES_A_CHUNK)]
+    parts = [_pack_rows(codes[i : i + ROW_TILES_A_CHUNK], kv6, second_half)
+             for i in range(0, codes.shape[0], ROW_TILES_A_CHUNK)]
     if not parts:
         return codes.new_empty((0, groups(codes.shape[1]), LANES * group_words(codes.shape[2])))
     return torch.cat(parts)
 
 
-def unpack_codes(lanes: torch.Tensor, col_tiles: int, tile_words: int, kv6: bool = False) -> torch.Tensor:
+def unpack_codes(lanes: torch.Tensor, col_tiles: int, tile_words: int, kv6: bool = False,
+                 second_half: bool = False) -> torch.Tensor:
     """Inverse of `pack_codes` (the padding tiles dropped)."""
-    parts = [_unpack_rows(lanes[i : i + ROW_TILES_A_CHUNK], col_tiles, tile_words, kv6)
+    parts = [_unpack_rows(lanes[i : i + ROW_TILES_A_CHUNK], col_tiles, tile_words, kv6, second_half)
              for i in range(0, lanes.shape[0], ROW_TILES_A_CHUNK)]
     if not parts:
         return lanes.new_empty((0, col_tiles, tile_words))
     return torch.cat(parts)
 
 
+def pack_named(quantizer: str, name: str, codes: torch.Tensor) -> torch.Tensor:
+    """`pack_codes` for the code tensor `name` of a layer of this quantizer."""
+    return pack_codes(codes, name in kv6_names(quantizer), name == "codes_b")
+
+
 def pack(quantizer: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The checkpoint's stored tensors → the runtime's (code tensors lane-major)."""
-    out, kv6 = dict(tensors), kv6_names(quantizer)
+    out = dict(tensors)
     for name in code_names(quantizer):
-        out[name] = pack_codes(tensors[name], name in kv6)
+        out[name] = pack_named(quantizer, name, tensors[name])
     return out
 
 
@@ -148,5 +164,5 @@ def unpack(quantizer: str, tensors: dict[str, torch.Tensor], shape: tuple[int, i
     out, kv6 = dict(tensors), kv6_names(quantizer)
     for name in code_names(quantizer):
         (_, ct, w), _ = specs[name]
-        out[name] = unpack_codes(tensors[name], ct, w, name in kv6)
+        out[name] = unpack_codes(tensors[name], ct, w, name in kv6, name == "codes_b")
     return out

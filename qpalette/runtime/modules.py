@@ -149,10 +149,9 @@ class QuantizedLinear(_CallCache, _KeepsFp16):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         if self.lane_major:  # checkpoint-layout tensors in: regroup them like ours
-            kv6 = lanes.kv6_names(self.quantizer.name)
             for name in lanes.code_names(self.quantizer.name):
                 if prefix + name in state_dict:
-                    state_dict[prefix + name] = lanes.pack_codes(state_dict[prefix + name], name in kv6)
+                    state_dict[prefix + name] = lanes.pack_named(self.quantizer.name, name, state_dict[prefix + name])
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def rotated_weight(self) -> torch.Tensor:

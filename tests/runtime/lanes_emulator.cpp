@@ -29,7 +29,7 @@ static std::vector<uint32_t> read_words(const std::string& path) {
 
 template <class D>
 static void decode_segment(const std::vector<uint32_t>& codes, const std::vector<uint32_t>& src, int rows,
-                           int tiles, int col0, int cols, std::vector<uint16_t>& out) {
+                           int tiles, int col0, int cols, bool second_half, std::vector<uint16_t>& out) {
   using L = typename D::L;
   std::vector<uint32_t> lut(L::WORDS);
   for (int i = 0; i < L::WORDS; ++i) lut[i] = L::word(src.data(), i);
@@ -41,8 +41,8 @@ static void decode_segment(const std::vector<uint32_t>& codes, const std::vector
       for (int lane = 0; lane < 32; ++lane) {
         uint32_t c[D::WPG], nb[2 * D::WPG];
         for (int q = 0; q < D::WPG; ++q) {
-          c[q] = b[block_word(D::WPG, lane, q)];
-          for (int h = 0; h < 2; ++h) nb[h * D::WPG + q] = b[block_word(D::WPG, (lane + 1 + h) & 31, q)];
+          c[q] = b[block_word(D::WPG, lane, q, second_half)];
+          for (int h = 0; h < 2; ++h) nb[h * D::WPG + q] = b[block_word(D::WPG, (lane + 1 + h) & 31, q, second_half)];
         }
         const uint32_t lanebits = L::lane_offset(lane);
         auto one = [&](auto u_const) {
@@ -72,8 +72,8 @@ static int run(bool half, int rows, int cols, const std::string& dir) {
   const auto a = read_words(dir + "/codes_a.bin");
   std::vector<uint16_t> out(size_t(rows) * cols, 0);
   const int tiles = half ? cols / 32 : cols / 16;
-  decode_segment<DA>(a, lut, rows, tiles, 0, cols, out);
-  if (half) decode_segment<DB>(read_words(dir + "/codes_b.bin"), lut, rows, tiles, tiles * 16, cols, out);
+  decode_segment<DA>(a, lut, rows, tiles, 0, cols, false, out);
+  if (half) decode_segment<DB>(read_words(dir + "/codes_b.bin"), lut, rows, tiles, tiles * 16, cols, true, out);
   FILE* f = std::fopen((dir + "/values.bin").c_str(), "wb");
   if (!f) return 1;
   std::fwrite(out.data(), 2, out.size(), f);

@@ -44,13 +44,15 @@ def test_block_order_is_a_permutation_in_planes():
             assert pos[5 * wpg : 5 * wpg + 4].tolist() == [20, 21, 22, 23]
 
 
-def test_an_even_layout_is_the_next_one_less_its_last_word():
-    """The half-TCQ GEMV loads a group of either half as the first half's planes plus one predicated
-    word at 32·wpg + ℓ (load_group_either, for wpg even and the second half wpg + 1)."""
-    for wpg in range(2, 10, 2):
-        first, second = lanes.block_order(wpg).view(32, wpg), lanes.block_order(wpg + 1).view(32, wpg + 1)
+def test_the_second_halfs_layout_is_the_firsts_and_one_word():
+    """The half-TCQ GEMV loads a group of either half as the first half's planes plus one word at
+    32·wpg + ℓ (load_group_either); for an even first half that is the plain layout of wpg + 1."""
+    for wpg in range(1, 12):
+        first, second = lanes.block_order(wpg).view(32, wpg), lanes.block_order(wpg + 1, True).view(32, wpg + 1)
+        assert sorted(second.reshape(-1).tolist()) == list(range(32 * (wpg + 1)))
         assert torch.equal(second[:, :wpg], first)
         assert second[:, wpg].tolist() == [32 * wpg + lane for lane in range(32)]
+        assert torch.equal(second, lanes.block_order(wpg + 1).view(32, wpg + 1)) == (wpg % 2 == 0)
 
 
 def test_padding_tiles_are_zero_and_real_bits_move():

@@ -9,6 +9,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 
 from qpalette.compression.blocks import quantize_matrix
 from qpalette.quant.incoherence import random_signs, unpack_signs, unrotate_weight
+from qpalette.runtime import lanes
 from qpalette.runtime import modules as qlinear
 from qpalette.runtime.modules import FusedSlice, InputRotation, QuantizedLinear, install_cache_reset
 
@@ -63,6 +64,20 @@ def test_buffers_match_tensor_specs_and_load_round_trip():
     x = torch.randn(2, 128)
     assert torch.equal(empty(x), q(x))
     assert not isinstance(q, nn.Linear)
+
+
+@pytest.mark.parametrize("name", ["half-tcq-2.75", "half-tcq-3.25", "tcq-3.0"])
+def test_a_lane_major_layer_loads_checkpoint_codes_in_its_layout(name):
+    """A state dict loaded into a layer whose codes are lane-major already is regrouped as
+    `lanes.pack` does (half-tcq-2.75: a second half with its own plane order), and goes out again
+    in the checkpoint's layout."""
+    rot = InputRotation.from_signs(random_signs(256, 2))
+    layer, other = (quantized(nn.Linear(256, 32, bias=False), name, rot) for _ in range(2))
+    layer.to_lane_major()
+    layer.load_state_dict(other.state_dict())
+    packed = lanes.pack(name, other.stored_tensors())
+    assert all(torch.equal(layer._buffers[k], packed[k]) for k in lanes.code_names(name))
+    assert all(torch.equal(layer.state_dict()[k], v) for k, v in other.state_dict().items())
 
 
 def test_half_precision_inputs_keep_their_dtype():

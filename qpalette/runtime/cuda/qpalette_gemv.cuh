@@ -158,15 +158,20 @@ __device__ __forceinline__ void load_group(uint32_t* c, const uint4* blk, int la
   if constexpr (REM % 2) c[WPG - 1] = ld_stream1(tail + (REM >= 2 ? 64 : 0) + lane);
 }
 
-// Half-TCQ whose second half has one word a lane more than an even first (KV 2/3, 4/5, 6/7, 8/9):
-// the second layout is the first plus a last plane of one word (block_word), so a group of either
-// half is the first layout's loads and that word's load under a predicate, into the same registers
-// and without a branch. With a branch a group, ptxas joined the two layouts' registers by moves that
-// waited for the loads: long-scoreboard stalls of 2.8 against tcq-3.5's 1.2 cycles an instruction
-// (results/kernels_h200/v17/).
-template <int WA, int WB>
+// half-TCQ's second half (WA + 1 words a lane): the first half's planes and a plane of the last word
+// (block_word)
+template <int WA>
+__device__ __forceinline__ void load_group_second(uint32_t* c, const uint4* blk, int lane) {
+  load_group<WA>(c, blk, lane);
+  c[WA] = ld_stream1(reinterpret_cast<const uint32_t*>(blk) + 32 * WA + lane);
+}
+
+// a group of either half (`b`: the second): the first layout's loads and the second's last word under
+// a predicate, into the same registers and without a branch. With a branch a group, ptxas joined the
+// two layouts' registers by moves that waited for the loads: long-scoreboard stalls of 2.8 against
+// tcq-3.5's 1.2 cycles an instruction (results/kernels_h200/v17/).
+template <int WA>
 __device__ __forceinline__ void load_group_either(uint32_t* c, const uint4* blk, int lane, bool b) {
-  static_assert(WA % 2 == 0 && WB == WA + 1, "the second layout: the first and one more word");
   load_group<WA>(c, blk, lane);
   ld_stream1_if(c[WA], reinterpret_cast<const uint32_t*>(blk) + 32 * WA + lane, b);
 }
@@ -210,10 +215,10 @@ struct Pair {
   static constexpr bool SHARE_ROTATION = !TWO && WMAX <= 12;
   // the staging that forms its input (silu(gate) ⊙ up, add + RMSNorm): the same registers to spare
   static constexpr bool FORMS_INPUT = SHARE_ROTATION;
-  // half-TCQ: one branch-free load for both halves (load_group_either). The pairs whose trailing
-  // planes differ in width (KV 3/4, 5/6, 7/8, 9/10) keep a branch: predicated loads of both into
-  // the same registers made each wait for the other, and half-tcq-3.75 got 4-10% slower (v17)
-  static constexpr bool LOAD_EITHER = TWO && DA::WPG % 2 == 0 && DB::WPG == DA::WPG + 1;
+  // half-TCQ: one branch-free load for both halves (load_group_either), but for the KV 9/10 words,
+  // whose registers would spill with it
+  static constexpr bool LOAD_EITHER = TWO;
+  static_assert(!TWO || DB::WPG == DA::WPG + 1, "half-TCQ: the second half's lanes hold one word more");
   static_assert(DA::L::WORDS == DB::L::WORDS && DA::L::C == DB::L::C && DA::L::STRIDE == DB::L::STRIDE,
                 "the two halves share one table");
 };
@@ -611,8 +616,8 @@ __device__ __forceinline__ void gemv_body(const GemvParams& p) {
         continue;
       }
       const uint4* blk = gp[g] + it * gstride[g];
-      if constexpr (PR::LOAD_EITHER) load_group_either<DA::WPG, DB::WPG>(c[g], blk, lane, gb[g]);
-      else if (PR::TWO && gb[g]) load_group<DB::WPG>(c[g], blk, lane);
+      if constexpr (PR::LOAD_EITHER) load_group_either<DA::WPG>(c[g], blk, lane, gb[g]);
+      else if (PR::TWO && gb[g]) load_group_second<DA::WPG>(c[g], blk, lane);
       else load_group<DA::WPG>(c[g], blk, lane);
     }
   };
@@ -763,11 +768,13 @@ struct DequantParams {
   int rt, cols;
 };
 
-template <class D, class T>
+template <class D, class T, bool SECOND = false>  // SECOND: half-TCQ's second half (load_group_second)
 __device__ __forceinline__ void dequant_group(const DequantParams& p, const Segment& s, int i, int g,
                                               const uint32_t* lut, int lane) {
   uint32_t c[D::WPG], nb[D::HALO ? D::HALO * D::WPG : 1];
-  load_group<D::WPG>(c, s.codes + (static_cast<size_t>(i) * s.cg + g) * 8 * D::WPG, lane);
+  const uint4* blk = s.codes + (static_cast<size_t>(i) * s.cg + g) * 8 * D::WPG;
+  if constexpr (SECOND) load_group_second<D::WPG - 1>(c, blk, lane);
+  else load_group<D::WPG>(c, blk, lane);
   halo<D>(c, nb, lane);
   const uint32_t lanebits = D::L::lane_offset(lane);
   const int gq = lane >> 2, cq = lane & 3;
@@ -807,7 +814,7 @@ __global__ void __launch_bounds__(256) dequant_kernel(const DequantParams p) {
   const long long nwarps = static_cast<long long>(gridDim.x) * (blockDim.x >> 5);
   for (long long b = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); b < total; b += nwarps) {
     const int i = static_cast<int>(b / gtot), gg = static_cast<int>(b - static_cast<long long>(i) * gtot);
-    if (Pair<DA, DB>::TWO && gg >= p.seg[0].cg) dequant_group<DB, T>(p, p.seg[1], i, gg - p.seg[0].cg, smem, lane);
+    if (Pair<DA, DB>::TWO && gg >= p.seg[0].cg) dequant_group<DB, T, true>(p, p.seg[1], i, gg - p.seg[0].cg, smem, lane);
     else dequant_group<DA, T>(p, p.seg[0], i, gg, smem, lane);
   }
 }

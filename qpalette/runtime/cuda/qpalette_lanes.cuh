@@ -279,8 +279,10 @@ struct TcqLanes {
 };
 
 // word index (in 32-bit units, inside a block of 32·WPG words) of lane ℓ's word q: planes of 4
-// words, then one of 2, then one of 1 (lanes.block_order)
-QP_HD int block_word(int wpg, int lane, int q) {
+// words, then one of 2, then one of 1; half-TCQ's second half: the first half's planes (WPG − 1
+// words), then a plane of its last word (lanes.block_order)
+QP_HD int block_word(int wpg, int lane, int q, bool second_half = false) {
+  if (second_half) return q < wpg - 1 ? block_word(wpg - 1, lane, q) : (wpg - 1) * 32 + lane;
   const int full = wpg / 4 * 4;
   if (q < full) return (q / 4) * 128 + lane * 4 + q % 4;
   if (q < full + 2 && wpg - full >= 2) return full * 32 + lane * 2 + (q - full);
