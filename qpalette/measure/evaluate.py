@@ -110,7 +110,7 @@ def perplexity(model, ids: torch.Tensor, ctx: int = 2048, max_windows: int | Non
             del logits
             if progress:
                 done = b0 + x.shape[0]
-                bar.set_postfix(ppl=f"{math.exp(nll_sum / (done * (ctx - 1))):.3f}", refresh=False)
+                bar.set_postfix_str(f"ppl={math.exp(nll_sum / (done * (ctx - 1))):.3f}", refresh=False)
             bar.update(x.shape[0])
     finally:
         bar.close()

@@ -89,6 +89,14 @@ def test_perplexity_equals_naive_per_window(tiny):
     assert r2.ppl == pytest.approx(first2, rel=1e-6)
 
 
+def test_perplexity_progress_in_a_log_file_shows_the_running_ppl(tiny, capsys):
+    """Progress in a log file (pytest's stderr is not a terminal) takes the same calls as a tqdm bar."""
+    model, tok = tiny
+    r = perplexity(model, tokenize(tok, TEXT * 3), ctx=64, progress=True)
+    err = capsys.readouterr().err
+    assert f"perplexity: 100% ({r.windows}/{r.windows} win)" in err and f"[ppl={r.ppl:.3f}]" in err
+
+
 def test_perplexity_rejects_short_text_and_bad_options(tiny):
     model, tok = tiny
     ids = tokenize(tok, "short")
