@@ -215,9 +215,7 @@ struct Pair {
   static constexpr bool SHARE_ROTATION = !TWO && WMAX <= 12;
   // the staging that forms its input (silu(gate) ⊙ up, add + RMSNorm): the same registers to spare
   static constexpr bool FORMS_INPUT = SHARE_ROTATION;
-  // half-TCQ: one branch-free load for both halves (load_group_either), but for the KV 9/10 words,
-  // whose registers would spill with it
-  static constexpr bool LOAD_EITHER = TWO;
+  // half-TCQ loads a group of either half without a branch (load_group_either), which needs this
   static_assert(!TWO || DB::WPG == DA::WPG + 1, "half-TCQ: the second half's lanes hold one word more");
   static_assert(DA::L::WORDS == DB::L::WORDS && DA::L::C == DB::L::C && DA::L::STRIDE == DB::L::STRIDE,
                 "the two halves share one table");
@@ -603,7 +601,7 @@ __device__ __forceinline__ void gemv_body(const GemvParams& p) {
             static_cast<size_t>(gg - (gb[g] ? p.seg[0].cg : 0)) * blk4;
   }
   uint32_t code[RR][NG][WMAX];
-  if constexpr (PR::LOAD_EITHER)  // the first half's groups skip the predicated word: defined
+  if constexpr (PR::TWO)  // the first half's groups skip the predicated word: defined
 #pragma unroll
     for (int i = 0; i < RR * NG; ++i) code[i / NG][i % NG][DA::WPG] = 0u;
   auto load_item = [&](uint32_t (&c)[NG][WMAX], int it) {
@@ -616,8 +614,7 @@ __device__ __forceinline__ void gemv_body(const GemvParams& p) {
         continue;
       }
       const uint4* blk = gp[g] + it * gstride[g];
-      if constexpr (PR::LOAD_EITHER) load_group_either<DA::WPG>(c[g], blk, lane, gb[g]);
-      else if (PR::TWO && gb[g]) load_group_second<DA::WPG>(c[g], blk, lane);
+      if constexpr (PR::TWO) load_group_either<DA::WPG>(c[g], blk, lane, gb[g]);
       else load_group<DA::WPG>(c[g], blk, lane);
     }
   };
