@@ -145,9 +145,14 @@ def unpack_codes(lanes: torch.Tensor, col_tiles: int, tile_words: int, kv6: bool
     return torch.cat(parts)
 
 
+def _layout(quantizer: str, name: str) -> dict[str, bool]:
+    """How the code tensor `name` of this quantizer is regrouped: `pack_codes`' kv6 and second_half."""
+    return {"kv6": name in kv6_names(quantizer), "second_half": name == "codes_b"}
+
+
 def pack_named(quantizer: str, name: str, codes: torch.Tensor) -> torch.Tensor:
     """`pack_codes` for the code tensor `name` of a layer of this quantizer."""
-    return pack_codes(codes, name in kv6_names(quantizer), name == "codes_b")
+    return pack_codes(codes, **_layout(quantizer, name))
 
 
 def pack(quantizer: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -161,8 +166,8 @@ def pack(quantizer: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Te
 def unpack(quantizer: str, tensors: dict[str, torch.Tensor], shape: tuple[int, int]) -> dict[str, torch.Tensor]:
     """The runtime's tensors → exactly the checkpoint's (inverse of `pack`)."""
     specs = get_quantizer(quantizer).tensor_specs(*shape)
-    out, kv6 = dict(tensors), kv6_names(quantizer)
+    out = dict(tensors)
     for name in code_names(quantizer):
         (_, ct, w), _ = specs[name]
-        out[name] = unpack_codes(tensors[name], ct, w, name in kv6, name == "codes_b")
+        out[name] = unpack_codes(tensors[name], ct, w, **_layout(quantizer, name))
     return out
