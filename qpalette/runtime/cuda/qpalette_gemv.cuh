@@ -588,7 +588,7 @@ __device__ __forceinline__ void gemv_body(const GemvParams& p) {
 
   // this warp's groups: segment, first block (row r0) and row stride, in uint4
   const uint4* gp[NG];
-  size_t gstride[NG];
+  uint32_t gstride[NG];  // in uint4; 32 bits: a whole matrix is < 64 GB (one register a group less)
   bool gv[NG], gb[NG];
 #pragma unroll
   for (int g = 0; g < NG; ++g) {
@@ -596,7 +596,7 @@ __device__ __forceinline__ void gemv_body(const GemvParams& p) {
     gv[g] = gg < gend;
     gb[g] = PR::TWO && gg >= p.seg[0].cg;
     const int blk4 = 8 * (gb[g] ? DB::WPG : DA::WPG);
-    gstride[g] = static_cast<size_t>(gb[g] ? p.seg[1].cg : p.seg[0].cg) * blk4;
+    gstride[g] = static_cast<uint32_t>(gb[g] ? p.seg[1].cg : p.seg[0].cg) * blk4;
     gp[g] = (gb[g] ? p.seg[1].codes : p.seg[0].codes) + static_cast<size_t>(r0) * gstride[g] +
             static_cast<size_t>(gg - (gb[g] ? p.seg[0].cg : 0)) * blk4;
   }
@@ -613,7 +613,7 @@ __device__ __forceinline__ void gemv_body(const GemvParams& p) {
           for (int q = 0; q < WMAX; ++q) c[g][q] = 0u;
         continue;
       }
-      const uint4* blk = gp[g] + it * gstride[g];
+      const uint4* blk = gp[g] + static_cast<size_t>(static_cast<uint32_t>(it) * gstride[g]);
       if constexpr (PR::TWO) load_group_either<DA::WPG>(c[g], blk, lane, gb[g]);
       else load_group<DA::WPG>(c[g], blk, lane);
     }
