@@ -158,12 +158,18 @@ __device__ __forceinline__ void load_group(uint32_t* c, const uint4* blk, int la
   if constexpr (REM % 2) c[WPG - 1] = ld_stream1(tail + (REM >= 2 ? 64 : 0) + lane);
 }
 
+// lane's word in the plane of half-TCQ's last word, after the first half's WA planes (block_word)
+template <int WA>
+__device__ __forceinline__ const uint32_t* last_word(const uint4* blk, int lane) {
+  return reinterpret_cast<const uint32_t*>(blk) + 32 * WA + lane;
+}
+
 // half-TCQ's second half (WA + 1 words a lane): the first half's planes and a plane of the last word
 // (block_word)
 template <int WA>
 __device__ __forceinline__ void load_group_second(uint32_t* c, const uint4* blk, int lane) {
   load_group<WA>(c, blk, lane);
-  c[WA] = ld_stream1(reinterpret_cast<const uint32_t*>(blk) + 32 * WA + lane);
+  c[WA] = ld_stream1(last_word<WA>(blk, lane));
 }
 
 // a group of either half (`b`: the second): the first layout's loads and the second's last word under
@@ -173,7 +179,7 @@ __device__ __forceinline__ void load_group_second(uint32_t* c, const uint4* blk,
 template <int WA>
 __device__ __forceinline__ void load_group_either(uint32_t* c, const uint4* blk, int lane, bool b) {
   load_group<WA>(c, blk, lane);
-  ld_stream1_if(c[WA], reinterpret_cast<const uint32_t*>(blk) + 32 * WA + lane, b);
+  ld_stream1_if(c[WA], last_word<WA>(blk, lane), b);
 }
 
 // the words of lanes ℓ+1 (and ℓ+2) that TCQ windows reach into
