@@ -594,7 +594,7 @@ __device__ __forceinline__ void gemv_body(const GemvParams& p) {
 
   // this warp's groups: segment, first block (row r0) and row stride, in uint4
   const uint4* gp[NG];
-  uint32_t gstride[NG];  // in uint4; 32 bits: a whole matrix is < 64 GB (one register a group less)
+  uint32_t gstride[NG];  // in uint4; 32 bits (one register a group less): launch_gemv checks the size
   bool gv[NG], gb[NG];
 #pragma unroll
   for (int g = 0; g < NG; ++g) {
@@ -869,6 +869,8 @@ int launch_gemv(const GemvArgs& a) {
   p.rt = a.rows / 16;
   const int nslot = a.members ? a.slots : 1;
   if (p.rt == 0 || a.m == 0 || nslot == 0) return OK;
+  for (const Segment& s : p.seg)  // gemv_body's row offsets are 32-bit, in 16 bytes: < 64 GB of codes a segment
+    if (static_cast<long long>(p.rt) * s.cg * 8 * PR::WMAX >= (1ll << 32)) return UNSUPPORTED;
   if (a.members && a.m != 1) return UNSUPPORTED;
   // the smallest K split (1 CTA, or clusters of 2, 4, 8 on Hopper) whose warps and shared memory fit
   int cs = 0, nw = 0, cgc = 0, fr = 1;
