@@ -97,8 +97,9 @@ def main() -> None:
     ap.add_argument("--batches", default="1,2,4,8")
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     ap.add_argument("--rotation-entry", default="tcq-2.0",
-                    help="entry whose layers are also timed with their online rotation, as a separate kernel "
-                         "and fused into the GEMV ('' to skip)")
+                    help="entry whose layers are also timed with their online rotation, as a separate kernel, "
+                         "fused into the GEMV and, for qkv, gateup and down, fused with what a decoder block's "
+                         "decode adds there (RMSNorm; add + RMSNorm; silu(gate)·up + residual) ('' to skip)")
     ap.add_argument("--gate", action="store_true", help="exit 1 when a regression gate is missed")
     ap.add_argument("--regate", type=Path, help="recompute gates + report of this bench_kernels.json (no GPU)")
     args = ap.parse_args()
@@ -176,13 +177,30 @@ def parse_shapes(spec: str) -> dict[str, tuple[int, int]]:
         raise SystemExit(f"bench_kernels: {e}") from None
 
 
+# a Llama shape's place in the decoder block → the work its fused GEMV also does there (kt.BLOCK_FORMS)
+BLOCK_FORM = {"qkv": ("norm", "fused + RMSNorm"), "gateup": ("add_norm", "fused + add + RMSNorm"),
+              "down": ("gated", "fused + silu(gate)·up + residual")}
+
+
+def rotation_ways(label: str, cols: int) -> dict[str, tuple[bool, str]]:
+    """{way: (fused, block form)} timed for one shape: the separate rotation kernel, the fused one, and
+    for q/k/v, gate/up and down the fused GEMV as a decoder block's batch-1 decode calls it."""
+    if not ops.gemv_rotates(cols):
+        return {"separate": (False, "rotate")}
+    ways = {"separate": (False, "rotate"), "fused": (True, "rotate")}
+    block = BLOCK_FORM.get(label.split()[0])
+    if block is not None:
+        ways[block[1]] = (True, block[0])
+    return ways
+
+
 def rotation_layers(entry: str, shapes: dict, batches, dtype) -> dict:
-    """{shape: {"separate"|"fused": {batch: µs}}}: rotation + GEMV of one layer, both ways."""
+    """{shape: {way: {batch: µs}}}: rotation + GEMV of one layer, each way of `rotation_ways`."""
     out = {}
     for label, (r, c) in shapes.items():
-        ways = ("separate", "fused") if ops.gemv_rotates(c) else ("separate",)
-        out[label] = {w: {str(m): t * 1e6 for m, t in kt.time_rotated_layer(entry, r, c, batches, w == "fused",
-                                                                             dtype).items()} for w in ways}
+        out[label] = {w: {str(m): t * 1e6 for m, t in kt.time_rotated_layer(entry, r, c, batches, fused, dtype,
+                                                                             form=form).items()}
+                      for w, (fused, form) in rotation_ways(label, c).items()}
         print(f"{label:20s} {entry} + rotation " + "  ".join(
             f"{w}: " + " ".join(f"b{m}={t:.2f}us" for m, t in v.items()) for w, v in out[label].items()), flush=True)
     return out
@@ -263,7 +281,8 @@ def render(rows, batches, meta) -> str:
     for n, v in meta["rotate_us"].items():
         lines.append(f"- n = {n}: " + ", ".join(f"b{m} {t:.2f}" for m, t in v.items()))
     if meta.get("rotated_layer_us"):
-        lines += ["", f"## {meta['rotation_entry']} with its online rotation: separate kernel vs fused into the GEMV (µs)",
+        lines += ["", f"## {meta['rotation_entry']} with its online rotation: separate kernel vs fused into the GEMV, "
+                  "and fused as in a decoder block (µs)",
                   "", "| shape | way | " + " | ".join(f"b{m}" for m in batches) + " |",
                   "|---|---|" + "---|" * len(batches)]
         for shape, ways in meta["rotated_layer_us"].items():

@@ -111,10 +111,36 @@ def time_rotate(n: int, batches, dtype=torch.float16) -> dict[int, float]:
     return out
 
 
+# what a decoder block's fused forward (runtime.modules.install_fused_block) also hands the GEMV that
+# rotates its input: "rotate" nothing (o_proj), "norm" the input RMSNorm (q/k/v), "add_norm" the
+# residual add and the RMSNorm (gate/up), "gated" silu(gate) ⊙ up in, the residual added to y (down)
+BLOCK_FORMS = ("rotate", "norm", "add_norm", "gated")
+
+
+def fused_layer_calls(name: str, layers: list, shape: tuple[int, int], signs: torch.Tensor, m: int,
+                      form: str = "rotate", dtype=torch.float16) -> list:
+    """One zero-argument call a weight copy in `layers`: the GEMV with the rotation in its prologue and
+    the `form`'s extra work (BLOCK_FORMS), on m activation rows of random values."""
+    rows, cols = shape
+    dev = signs.device
+    x = torch.randn(m, 2 * cols if form == "gated" else cols, device=dev, dtype=dtype)
+    if form == "rotate":
+        return [lambda t=t: ops.rotated_matmul(x, signs, name, t, shape) for t in layers]
+    if form == "gated":
+        res = torch.randn(m, rows, device=dev, dtype=dtype)
+        return [lambda t=t: ops.gated_rotated_matmul(x, signs, name, t, shape, res) for t in layers]
+    if form not in BLOCK_FORMS:
+        raise InputError(f"unknown block form {form!r}; expected one of {', '.join(BLOCK_FORMS)}")
+    w = torch.rand(cols, device=dev, dtype=dtype) + 0.5
+    res = torch.randn(m, cols, device=dev, dtype=dtype) if form == "add_norm" else None
+    return [lambda t=t: ops.normed_rotated_matmul(x, w, 1e-5, signs, name, t, shape, res) for t in layers]
+
+
 def time_rotated_layer(name: str, rows: int, cols: int, batches, fused: bool, dtype=torch.float16,
-                       gen: torch.Generator | None = None) -> dict[int, float]:
+                       gen: torch.Generator | None = None, form: str = "rotate") -> dict[int, float]:
     """{batch: seconds} of one layer's online rotation and matmul as a decode step runs them: the
-    rotation kernel then the GEMV (`fused` False), or the GEMV rotating x in its prologue."""
+    rotation kernel then the GEMV (`fused` False), or the GEMV rotating x in its prologue, with the
+    extra work of `form` (fused only: BLOCK_FORMS)."""
     from qpalette.quant.incoherence import pack_signs, random_signs
 
     signs = pack_signs(random_signs(cols, seed=0)).cuda()
@@ -123,10 +149,10 @@ def time_rotated_layer(name: str, rows: int, cols: int, batches, fused: bool, dt
                         for _ in range(copies_for(stored_bytes(first)) - 1)]
     out = {}
     for m in batches:
-        x = torch.randn(m, cols, device="cuda", dtype=dtype)
         if fused:
-            calls = [lambda t=t: ops.rotated_matmul(x, signs, name, t, (rows, cols)) for t in layers]
+            calls = fused_layer_calls(name, layers, (rows, cols), signs, m, form, dtype)
         else:
+            x = torch.randn(m, cols, device="cuda", dtype=dtype)
             calls = [lambda t=t: ops.quantized_matmul(ops.rotate(x, signs), name, t, (rows, cols)) for t in layers]
         out[m] = time_graph(calls)
     del layers

@@ -38,3 +38,14 @@ def test_the_report_says_when_the_us_targets_belong_to_another_gpu(device, said)
     meta = {"device": device, "dtype": "float16", "copy_bandwidth_Bps": 4.1e12, "rotate_us": {},
             "gates": script.gates(rows, [1, 8])}
     assert ("issue 14's H100 targets" in script.render(rows, [1, 8], meta)) == said
+
+
+def test_block_shapes_are_also_timed_as_the_fused_block_calls_them():
+    script = load_script("bench_kernels")
+    shapes = script.parse_shapes("all")
+    ways = {label: script.rotation_ways(label, cols) for label, (_, cols) in shapes.items()}
+    assert ways["down 4096x14336"]["fused + silu(gate)·up + residual"] == (True, "gated")
+    assert ways["gateup 28672x4096"]["fused + add + RMSNorm"] == (True, "add_norm")
+    assert ways["qkv 6144x4096"]["fused + RMSNorm"] == (True, "norm")
+    assert ways["q/o 4096x4096"] == {"separate": (False, "rotate"), "fused": (True, "rotate")}  # o: rotation only
+    assert script.rotation_ways("96x576", 576) == {"separate": (False, "rotate")}  # 576: no fused rotation
