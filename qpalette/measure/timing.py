@@ -121,6 +121,8 @@ def fused_layer_calls(name: str, layers: list, shape: tuple[int, int], signs: to
                       form: str = "rotate", dtype=torch.float16) -> list:
     """One zero-argument call a weight copy in `layers`: the GEMV with the rotation in its prologue and
     the `form`'s extra work (BLOCK_FORMS), on m activation rows of random values."""
+    if form not in BLOCK_FORMS:
+        raise InputError(f"unknown block form {form!r}; expected one of {', '.join(BLOCK_FORMS)}")
     rows, cols = shape
     dev = signs.device
     x = torch.randn(m, 2 * cols if form == "gated" else cols, device=dev, dtype=dtype)
@@ -129,8 +131,6 @@ def fused_layer_calls(name: str, layers: list, shape: tuple[int, int], signs: to
     if form == "gated":
         res = torch.randn(m, rows, device=dev, dtype=dtype)
         return [lambda t=t: ops.gated_rotated_matmul(x, signs, name, t, shape, res) for t in layers]
-    if form not in BLOCK_FORMS:
-        raise InputError(f"unknown block form {form!r}; expected one of {', '.join(BLOCK_FORMS)}")
     w = torch.rand(cols, device=dev, dtype=dtype) + 0.5
     res = torch.randn(m, cols, device=dev, dtype=dtype) if form == "add_norm" else None
     return [lambda t=t: ops.normed_rotated_matmul(x, w, 1e-5, signs, name, t, shape, res) for t in layers]
