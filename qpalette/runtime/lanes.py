@@ -17,9 +17,9 @@ regrouped, a pure bit permutation:
   decoder needs no funnel shifts (`KV6_BYTES`).
 
 half-TCQ keeps its two halves as two such tensors; the second half's lanes hold one word more, laid
-out as the first half's planes and then that word's own plane (`block_order`). Only the code tensors change; `unpack` gives
-back the checkpoint's tensors exactly (state dicts and the CPU reference use it). The same
-definition in CUDA is `qpalette_lanes.cuh`.
+out as the first half's planes and then that word's own plane (`block_order`). Only the code tensors
+change; `unpack` gives back the checkpoint's tensors exactly (state dicts and the CPU reference use
+it). The same definition in CUDA is `qpalette_lanes.cuh`.
 """
 
 from __future__ import annotations
