@@ -101,10 +101,13 @@ __device__ __forceinline__ uint4 map_chunks(const uint4& a, const uint4& b, F f)
   return out;
 }
 
-// silu(g) ⊙ u, rounded once (a gated MLP's down-projection input)
+// silu(g) ⊙ u, rounded once (a gated MLP's down-projection input). __fdividef (reciprocal + multiply,
+// 2 ulp; 0 for a denominator past 2^126, silu's limit there): an IEEE division is a branch region an
+// element that serializes the chains, and a K-split down's CTA forms all 14336 products (2.0 µs of
+// its staging on an H200, results/kernels_h200/v20/).
 template <class T>
 __device__ __forceinline__ uint4 silu_mul(const uint4& g, const uint4& u) {
-  return map_chunks<T>(g, u, [](float a, float b) { return a / (1.f + __expf(-a)) * b; });
+  return map_chunks<T>(g, u, [](float a, float b) { return __fdividef(a, 1.f + __expf(-a)) * b; });
 }
 
 // a + b, each sum rounded to T (a residual add, as torch computes it)
@@ -147,6 +150,29 @@ __device__ __forceinline__ void signed_chunk(const uint4& raw, uint32_t sb, floa
   const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
   for (int k = 0; k < 8; ++k) v[k] = (sb >> (7 - k)) & 1u ? -Cvt<T>::to_float(e[k]) : Cvt<T>::to_float(e[k]);
+}
+
+// the 16-byte chunk `raw` of 8 16-bit floats with sign byte `sb` applied (bit 7 − k set ⇔ element k
+// negated) by flipping sign bits: exact, and no conversion where the result stays 16-bit
+__device__ __forceinline__ uint4 sign_flipped(uint4 raw, uint32_t sb) {
+  // word w holds elements 2w (sign bit 15) and 2w + 1 (sign bit 31): sb's bits 7 − 2w and 6 − 2w
+  const auto mask = [sb](int w) {
+    const uint32_t b = sb >> (6 - 2 * w);
+    return (b & 2u) << 14 | b << 31;
+  };
+  raw.x ^= mask(0);
+  raw.y ^= mask(1);
+  raw.z ^= mask(2);
+  raw.w ^= mask(3);
+  return raw;
+}
+
+// v += the 8 elements of a 16-byte chunk, in fp32
+template <class T>
+__device__ __forceinline__ void add_chunk(float (&v)[8], const uint4& raw) {
+  const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) v[k] += Cvt<T>::to_float(e[k]);
 }
 
 // v += Σ_a H_K[seg, a] (s ⊙ x)[a·2^m + 8t + ·] over a = a0, a0 + step, … < K (hk: K·K ±1, unused

@@ -417,13 +417,8 @@ __device__ __forceinline__ void stage_signed_row(const GemvParams& p, int row, T
     for (int u = 0; u < U; ++u) {
       const int c = base + u * blockDim.x;
       if (c < chunks) {
-        float f[8];
         if constexpr (GATED) v[u] = silu_mul<T>(v[u], up[u]);
-        signed_chunk<T>(v[u], sb[u], f);
-        T o[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) o[e] = Cvt<T>::from_float(f[e]);
-        reinterpret_cast<uint4*>(raw)[c] = *reinterpret_cast<const uint4*>(o);
+        reinterpret_cast<uint4*>(raw)[c] = sign_flipped(v[u], sb[u]);
       }
     }
   }
@@ -481,14 +476,17 @@ __device__ __forceinline__ void stage_x_rotated(const GemvParams& p, uint32_t* x
       if (FORMS && p.gated) stage_signed_row<T, 4, FORMS>(p, row, reinterpret_cast<T*>(z));
       else stage_signed_row<T, 8, false>(p, row, reinterpret_cast<T*>(z));
       __syncthreads();
-      if (active)
-        for (int a = 0; a < p.rot_k; ++a) {
-          const uint4 q = reinterpret_cast<const uint4*>(raw)[((a << p.log2p2) >> 3) + t];
-          const T* e = reinterpret_cast<const T*>(&q);
-          const bool neg = (hneg >> a) & 1u;
-#pragma unroll
-          for (int i = 0; i < 8; ++i) v[i] += neg ? -Cvt<T>::to_float(e[i]) : Cvt<T>::to_float(e[i]);
+      if (active) {  // H_K's −1 flips the chunk's sign bits (no select an element)
+        const uint4* src = reinterpret_cast<const uint4*>(raw) + t;
+        const int step = (1 << p.log2p2) >> 3;
+        uint64_t neg = hneg;
+        for (int a = 0; a < p.rot_k; ++a, src += step, neg >>= 1) {
+          const uint32_t flip = static_cast<uint32_t>(neg & 1u) * 0x80008000u;
+          uint4 q = *src;
+          q.x ^= flip, q.y ^= flip, q.z ^= flip, q.w ^= flip;
+          add_chunk<T>(v, q);
         }
+      }
       __syncthreads();  // z is the transform's buffer next
     }
     fwht_row<T>(v, p.log2p2, p.rot_scale, z + (p.rot_k == 1 ? ((SHARE ? done++ : row) & 1) * ccols : 0) + (jj << p.log2p2),
