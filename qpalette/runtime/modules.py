@@ -186,11 +186,12 @@ class QuantizedLinear(_CallCache, _KeepsFp16):
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def takes_gated(self, x: torch.Tensor) -> bool:
-        """Whether `gated_forward` suits activations like x: the kernels' path with the rotation in
-        the GEMV, for an entry whose GEMV forms its input itself."""
+        """Whether `gated_forward` suits activations like x: the kernels' path for up to 8 rows and
+        an input the GEMV rotates, with the rotation in the GEMV (batch 1) for an entry whose GEMV
+        forms its input itself, or in the rotation kernel, which then forms it (batch 2–8)."""
         rows = x.numel() // x.shape[-1]
-        return (ops.uses_kernels(x) and ops.fuses_rotation(self.in_features, rows)
-                and ops.gemv_forms_input(self.quantizer.name))
+        return (ops.uses_kernels(x) and rows <= ops.FUSED_MAX_ROWS and ops.gemv_rotates(self.in_features)
+                and (not ops.fuses_rotation(self.in_features, rows) or ops.gemv_forms_input(self.quantizer.name)))
 
     def gated_forward(self, gu: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """forward(silu(gate) ⊙ up) [+ residual] for gu = [gate | up] (..., 2·in), the GEMV forming
@@ -523,9 +524,10 @@ def install_fused_block(layer: nn.Module) -> bool:
     nothing else) a forward in which the GEMVs do the block's elementwise work: q/k/v's prologue
     applies the input RMSNorm, gate/up's adds the attention output to the residual and applies
     the second RMSNorm, down's epilogue adds the residual (with silu(gate) ⊙ up in its prologue,
-    `install_gated_mlp`). At batch 1 a block is then GEMVs, rope and attention only. Calls off that
-    path (CPU, batch > 1, entries or sizes the GEMV cannot take, gradients, positional arguments)
-    run the layer's own forward. The norms' and the MLP's own forwards (and their hooks) are skipped
+    `install_gated_mlp`). At batch 1 a block is then GEMVs, rope and attention only; at batch 2–8
+    the rotation kernels before q/k/v, gate/up and down do that work instead (`ops.fuses_rotation`).
+    Calls off that path (CPU, batch > 8, entries or sizes the GEMV cannot take, gradients, positional
+    arguments) run the layer's own forward. The norms' and the MLP's own forwards (and their hooks) are skipped
     on that path. A bound method: a deep copy calls its own modules. QPALETTE_FUSED_BLOCKS=0 (read
     when a model is loaded) keeps every layer's own forward."""
     if os.environ.get("QPALETTE_FUSED_BLOCKS", "1") == "0" or fused_block_parts(layer) is None or not _plain_block(layer):

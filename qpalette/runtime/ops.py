@@ -445,6 +445,10 @@ def _qmm_cuda(x, codes, codes_b, row_scale, quantizer, out_features, signs=None,
         weight, eps, residual, h_out = norm
         norm = (weight.contiguous(), eps, residual.reshape(-1, n_in).contiguous() if residual is not None else None,
                 h_out.view(-1, n_in) if h_out is not None else None)
+    if (gated or norm is not None) and not fuses_rotation(n_in // 2 if gated else n_in, x2.shape[0]):
+        formed = _formed_rotation(x2, signs.contiguous(), gated, norm)  # batch > 1: no elementwise kernel
+        if formed is not None:
+            x2, signs, gated, norm = formed, None, False, None
     y = _qmm_kernels(x2, codes.contiguous(), codes_b.contiguous() if codes_b is not None else None,
                      row_scale, quantizer, out_features, signs.contiguous() if signs is not None else None, gated,
                      norm, y_add.reshape(-1, out_features).contiguous() if y_add is not None else None)
@@ -454,6 +458,24 @@ def _qmm_cuda(x, codes, codes_b, row_scale, quantizer, out_features, signs=None,
 def _normed_input(x2, weight, eps, residual, h_out):
     h = x2 if residual is None else torch.add(x2, residual, out=h_out)
     return rms_norm_reference(h, weight, eps)
+
+
+def _formed_rotation(x2, signs, gated, norm):
+    """H(s ⊙ input) by the rotation kernel forming the input itself (silu(gate) ⊙ up, or add +
+    RMSNorm with the sum written to norm's h_out), or None where that kernel does not take the size
+    (the caller then forms the input in torch). Launched without programmatic dependent launch: in
+    a decoder block it follows a GEMV, and that edge with PDL cost ~3 µs more at batch ≥ 4 on an
+    H200 (results/kernels_h200/v20/ §4; with PDL the 2-bit batch-8 decode lost 3%, ../v21/)."""
+    n = x2.shape[1] // 2 if gated else x2.shape[1]
+    if not _hadamard_ok(n):
+        return None
+    k, p2 = decompose(n)
+    dev = x2.device
+    weight, eps, residual, h_out = norm or (None, 0.0, None, None)
+    with torch.cuda.device(dev):
+        return kernel_build.extension(dev).hadamard_formed(
+            x2, signs, _hadamard_factor(k, dev) if k > 1 else None, k, p2, _stream(dev), _num_sms(dev),
+            False, gated, weight, eps, residual, h_out)
 
 
 def _qmm_kernels(x2, codes, codes_b, row_scale, quantizer, out_features, signs=None, gated=False, norm=None,

@@ -278,6 +278,44 @@ def test_hadamard_kernel(ext, n, dtype, pdl):
         assert rel_err(y.reshape(rows, n).cpu(), ref) <= TOL
 
 
+@pytest.mark.parametrize("n", [64, 512, 1536, 4096, 14336])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_hadamard_kernel_forms_its_input(ext, n, dtype):
+    """hadamard_formed (the rows kernel forming silu(gate) ⊙ up, or x + residual → RMSNorm, as it
+    loads) against the input formed by the references in the dtype and rotated in float64; the sum
+    written out; a norm of a K > 1 size (its segments' blocks would each need the whole row) and a
+    size past the rows kernel are declined (None)."""
+    gen = torch.Generator().manual_seed(n + 1)
+    signs = pack_signs(random_signs(n, seed=n)).cuda()
+    k, p2 = decompose(n)
+    hk = ops._hadamard_factor(k, signs.device) if k > 1 else None
+    weight = (torch.rand(n, generator=gen) + 0.5).to(dtype).cuda()
+    stream, sms = torch.cuda.current_stream().cuda_stream, torch.cuda.get_device_properties(0).multi_processor_count
+
+    def formed(x, gated=False, norm=(None, 0.0, None, None)):
+        return ext.hadamard_formed(x, signs, hk, k, p2, stream, sms, True, gated, *norm)
+
+    def rotated(h):
+        return rotate_input(h.double().cpu(), unpack_signs(signs.cpu()).double())
+
+    for rows in (1, 3, 8, 33):
+        gu = torch.randn(rows, 2 * n, generator=gen).to(dtype).cuda()
+        assert rel_err(formed(gu, gated=True).cpu(), rotated(ops.silu_mul_reference(gu.float()).to(dtype))) <= TOL
+        x = (torch.randn(rows, n, generator=gen) * 20).to(dtype).cuda()
+        res = (torch.randn(rows, n, generator=gen) * 20).to(dtype).cuda()
+        for residual in (None, res):
+            h_out = torch.full_like(x, float("nan")) if residual is not None else None
+            y = formed(x, norm=(weight, 1e-5, residual, h_out))
+            assert (y is None) == (k > 1), n
+            if y is not None:
+                h = x if residual is None else x + residual
+                assert rel_err(y.cpu(), rotated(ops.rms_norm_reference(h, weight, 1e-5))) <= TOL
+                assert h_out is None or torch.equal(h_out, h)
+    assert ext.hadamard_formed(torch.zeros(1, 2 * 8192 * 4, dtype=dtype, device="cuda"),
+                               pack_signs(random_signs(8192 * 4, seed=0)).cuda(), None, 1, 8192 * 4,
+                               stream, sms, True, True, None, 0.0, None, None) is None
+
+
 def _layer(name, rows, cols, gen):
     stored, tensors = random_tensors(name, rows, cols, gen)
     signs = pack_signs(random_signs(cols, seed=1)).cuda()

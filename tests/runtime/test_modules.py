@@ -345,10 +345,12 @@ def test_blocks_with_other_maths_or_unfused_qkv_keep_their_forward(tiny_q):
 
 
 @pytest.mark.gpu
-def test_fused_block_on_the_kernels_equals_its_own_forward(tiny_llama_dir, tmp_path, monkeypatch):
-    """On CUDA at batch 1 (hidden 256, MLP 512: sizes the GEMV rotates and normalises) every block
-    runs the normed and gated GEMVs for real; the logits match the layers' own forwards (norms,
-    adds and SiLU·mul in torch)."""
+@pytest.mark.parametrize("batch", [1, 4])
+def test_fused_block_on_the_kernels_equals_its_own_forward(tiny_llama_dir, tmp_path, monkeypatch, batch):
+    """On CUDA (hidden 256, MLP 512: sizes the GEMV rotates and normalises) every block runs the
+    normed and gated ops for real: at batch 1 in the GEMVs, at batch 4 in the rotation kernels
+    before plain GEMVs; the logits match the layers' own forwards (norms, adds and SiLU·mul in
+    torch)."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     from helpers import run_compress
@@ -361,13 +363,17 @@ def test_fused_block_on_the_kernels_equals_its_own_forward(tiny_llama_dir, tmp_p
                           num_key_value_heads=2)
     run_compress(src, tmp_path / "q", scheme="tcq-2.0")
     model, _ = load_model(tmp_path / "q", "cuda", torch.float16, tokenizer=False)
-    ids = torch.tensor([[5, 17, 200]], device="cuda")
+    ids = torch.tensor([[5, 17, 200]], device="cuda").repeat(batch, 1) + torch.arange(batch, device="cuda")[:, None]
     calls = _count_fused_ops(monkeypatch)
+    formed, form = [], qlinear.ops._formed_rotation  # the rotation kernel forming its input (batch > 1)
+    monkeypatch.setattr(qlinear.ops, "_formed_rotation", lambda *a: formed.append(form(*a)) or formed[-1])
     cache = cache_kwarg(model)
     with torch.no_grad():
         out = model(ids[:, :1], use_cache=True)
         fused = model(ids[:, 1:2], **{cache: getattr(out, cache)}).logits.float()
-        assert calls["normed+residual"] == 2 * len(model.model.layers)
+        n = len(model.model.layers)
+        assert calls["normed+residual"] == 2 * n
+        assert len(formed) == (0 if batch == 1 else 3 * 2 * n) and all(f is not None for f in formed)
         for b in model.model.layers:
             qlinear.remove_fused_block(b)
         out = model(ids[:, :1], use_cache=True)

@@ -222,6 +222,42 @@ at::Tensor hadamard(const at::Tensor& x, const at::Tensor& signs, const c10::opt
   return y;
 }
 
+// H(s ⊙ input) (rows, n) where the input is formed from x by the rotation kernel itself: silu(gate) ⊙ up
+// (`gated`: x is (rows, 2n) = [gate | up]) or rmsnorm(x + x_add) ⊙ norm_weight (`norm_weight`; x_add
+// and h_out, both or neither, h_out ← x + x_add). None where the kernel does not take the shape
+// (the caller forms the input in torch).
+c10::optional<at::Tensor> hadamard_formed(const at::Tensor& x, const at::Tensor& signs,
+                                          const c10::optional<at::Tensor>& hk, int64_t k, int64_t p2, int64_t stream,
+                                          int64_t num_sms, bool pdl, bool gated,
+                                          const c10::optional<at::Tensor>& norm_weight, double norm_eps,
+                                          const c10::optional<at::Tensor>& x_add,
+                                          const c10::optional<at::Tensor>& h_out) {
+  check_cuda(x, "x");
+  check_cuda(signs, "signs");
+  TORCH_CHECK(x.dim() == 2, "x must be (rows, n) or (rows, 2n) gated");
+  TORCH_CHECK(!gated || !norm_weight.has_value(), "gated or normed, not both");
+  const int64_t n = gated ? x.size(1) / 2 : x.size(1);
+  TORCH_CHECK(!gated || x.size(1) % 2 == 0, "gated x must be (rows, 2n)");
+  TORCH_CHECK(signs.scalar_type() == at::kByte && signs.numel() * 8 == n, "signs must be uint8 (n/8,)");
+  TORCH_CHECK(k == 1 || (hk.has_value() && hk->numel() == k * k), "H_K missing");
+  using Extras = InputOutputExtras;
+  qp::RotationInput in{};
+  in.gated = gated ? 1 : 0;
+  in.norm_w = Extras::ptr(&norm_weight, x, 0, n, "norm_weight");
+  in.norm_eps = static_cast<float>(norm_eps);
+  in.x_add = Extras::ptr(&x_add, x, x.size(0), n, "x_add");
+  in.h_out = const_cast<void*>(Extras::ptr(&h_out, x, x.size(0), n, "h_out"));
+  TORCH_CHECK(!in.x_add == !in.h_out && (!in.x_add || in.norm_w), "x_add needs h_out and norm_weight");
+  auto y = at::empty({x.size(0), n}, x.options());
+  const int rc = qp::hadamard(x.data_ptr(), y.data_ptr(), signs.data_ptr<uint8_t>(),
+                              k > 1 ? hk->data_ptr<int8_t>() : nullptr, static_cast<int>(x.size(0)),
+                              static_cast<int>(n), static_cast<int>(k), static_cast<int>(p2), dtype_code(x),
+                              static_cast<int>(num_sms), pdl ? 1 : 0, reinterpret_cast<void*>(stream), in);
+  if (rc == qp::UNSUPPORTED) return c10::nullopt;
+  check(rc, "qpalette Hadamard transform");
+  return y;
+}
+
 // Tail-biting TCQ Viterbi paths (n, 128) int64 of tiles x (n, 128, 2) float32 against the hybrid
 // table (2^q, 2) float32, KV bits a step (trellis.quantize_tiles' kernel); undefined result where
 // this GPU's shared memory cannot hold the trellis (the caller then runs the reference).
@@ -373,6 +409,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_experts", &gemv_experts, "MoE experts' GEMVs in one launch (undefined result: shape not supported)");
   m.def("dequant", &dequant, "dequantize to a dense matrix");
   m.def("hadamard", &hadamard, "y = H(s ⊙ x) over rows");
+  m.def("hadamard_formed", &hadamard_formed, "H(s ⊙ input), the input formed from x (silu(gate)·up or add + RMSNorm)");
   m.def("decode_attention", &decode_attention, "attention of one query token over a grouped-query cache");
   m.def("rope_cache_attention", &rope_cache_attention,
         "decode attention with the new token's rope and cache update in the kernel");

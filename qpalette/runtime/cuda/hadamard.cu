@@ -7,7 +7,9 @@
 // factors commute), then the 2^m-point transform of w runs in
 // registers, shuffles and one shared-memory transpose (qpalette_fwht.cuh) and writes segment a'.
 // K = 1 is the power-of-two case. Each block reads the row (L2), so a decode row is spread over K
-// blocks instead of one block redoing all butterflies.
+// blocks instead of one block redoing all butterflies. It can also form its input as it loads it
+// (RotationInput): silu(gate) ⊙ up, or a residual add + RMSNorm (K = 1), so that at batch > 1 a
+// decoder block needs no elementwise kernel before its rotations (runtime/modules.py).
 //
 // hadamard_segments_kernel (the other shapes, up to n = 32768): one block per (row, slice): the
 // row, sign-flipped, goes to shared memory in fp32; the 2^m-point butterflies run on each of the K segments; then
@@ -142,34 +144,66 @@ constexpr int ROWS_MAX_K = 64;     // segments a thread mixes (a load each)
 
 constexpr int ROWS_THREADS = 512;
 
+// K = 1, one slice: chunk t of this row of rmsnorm(x + x_add) ⊙ norm_w, signs applied, into v;
+// x + x_add written to h_out. Every thread calls it (block_sum: one barrier, `part` its scratch).
+template <class T>
+__device__ __forceinline__ void normed_row(float (&v)[8], const T* xr, const uint8_t* signs, const RotationInput& in,
+                                           long long row, int n, int t, bool active, float* part) {
+  uint4 h = make_uint4(0, 0, 0, 0), wn = h;
+  uint32_t sb = 0;
+  if (active) {  // every load in flight at once
+    h = __ldg(reinterpret_cast<const uint4*>(xr) + t);
+    sb = __ldg(signs + t);
+    wn = __ldg(reinterpret_cast<const uint4*>(in.norm_w) + t);
+    if (in.x_add) {
+      h = add_chunks<T>(h, __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(in.x_add) + row * n) + t));
+      reinterpret_cast<uint4*>(static_cast<T*>(in.h_out) + row * n)[t] = h;
+    }
+  }
+  const float ss = block_sum(active ? sum_squares<T>(h) : 0.f, part);
+  if (active) signed_chunk<T>(rms_scaled<T>(h, wn, rsqrtf(ss / static_cast<float>(n) + in.norm_eps)), sb, v);
+}
+
+// What the rows kernel forms from x before rotating it (RotationInput): x itself, silu(gate) ⊙ up
+// (x rows are [gate | up]), or rmsnorm(x + x_add) ⊙ norm_w (K = 1: the block holds the whole row)
+enum Form { PLAIN = 0, GATED = 1, NORMED = 2 };
+
 // Block = S slices × C threads (C = max(32, 2^m/8)): thread (s, t) sums segments a ≡ s (mod S) of
 // chunk t, so a thread has few loads in flight even for K = 28; slice 0 adds the S partial sums
-// in a fixed order (deterministic) and runs the 2^m-point transform.
-template <class T>
+// in a fixed order (deterministic) and runs the 2^m-point transform. GATED forms each chunk as it
+// loads it (every block of a row forms the chunks it mixes); NORMED (one slice) adds x_add, writes
+// the sum to h_out and scales by the row's RMS (one barrier) first: LlamaRMSNorm's arithmetic as the
+// GEMV's staging does it (qpalette_gemv.cuh normed_chunk), so batch 1 and batch > 1 agree.
+template <class T, int FORM>
 __global__ void __launch_bounds__(ROWS_THREADS) hadamard_rows_kernel(const T* __restrict__ x, T* __restrict__ y,
                                                                     const uint8_t* __restrict__ signs,
                                                                     const int8_t* __restrict__ hk, int n, int k,
-                                                                    int log2p2, int chunk_threads, float scale) {
+                                                                    int log2p2, int chunk_threads, float scale,
+                                                                    RotationInput in) {
   __shared__ __align__(16) float z[ROWS_MAX_P2];
   __shared__ __align__(16) float4 part[2 * ROWS_THREADS];
   pdl_launch_dependents();
   const int seg = blockIdx.x, p2 = 1 << log2p2, slices = blockDim.x / chunk_threads;
   const int s = threadIdx.x / chunk_threads, t = threadIdx.x - s * chunk_threads;
   const long long row = blockIdx.y;
-  const T* xr = x + row * n;
+  const T* xr = x + row * (FORM == GATED ? 2 * n : n);
   float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   pdl_wait();
-  if (t < p2 / 8) mix_segments<T>(v, xr, signs, hk, k, log2p2, seg, t, s, slices);
-  if (slices > 1) {
-    part[2 * threadIdx.x] = make_float4(v[0], v[1], v[2], v[3]);
-    part[2 * threadIdx.x + 1] = make_float4(v[4], v[5], v[6], v[7]);
-    __syncthreads();
-    if (s == 0)
-      for (int q = 1; q < slices; ++q) {
-        const float4 lo = part[2 * (q * chunk_threads + t)], hi = part[2 * (q * chunk_threads + t) + 1];
-        v[0] += lo.x; v[1] += lo.y; v[2] += lo.z; v[3] += lo.w;
-        v[4] += hi.x; v[5] += hi.y; v[6] += hi.z; v[7] += hi.w;
-      }
+  if constexpr (FORM == NORMED) {
+    normed_row<T>(v, xr, signs, in, row, n, t, t < p2 / 8, reinterpret_cast<float*>(part));
+  } else {
+    if (t < p2 / 8) mix_segments<T, FORM == GATED>(v, xr, signs, hk, k, log2p2, seg, t, s, slices);
+    if (slices > 1) {
+      part[2 * threadIdx.x] = make_float4(v[0], v[1], v[2], v[3]);
+      part[2 * threadIdx.x + 1] = make_float4(v[4], v[5], v[6], v[7]);
+      __syncthreads();
+      if (s == 0)
+        for (int q = 1; q < slices; ++q) {
+          const float4 lo = part[2 * (q * chunk_threads + t)], hi = part[2 * (q * chunk_threads + t) + 1];
+          v[0] += lo.x; v[1] += lo.y; v[2] += lo.z; v[3] += lo.w;
+          v[4] += hi.x; v[5] += hi.y; v[6] += hi.z; v[7] += hi.w;
+        }
+    }
   }
   fwht_row<T>(v, log2p2, scale, z, y + row * n + static_cast<long long>(seg) * p2, threadIdx.x, s == 0 && t < p2 / 8);
 }
@@ -193,17 +227,23 @@ int launch_pdl(K kern, dim3 grid, dim3 block, size_t smem, void* stream, bool pd
 
 template <class T>
 int launch(const void* x, void* y, const uint8_t* signs, const int8_t* hk, int rows, int n, int k,
-           int p2, int num_sms, bool pdl, void* stream) {
+           int p2, int num_sms, bool pdl, void* stream, const RotationInput& in) {
+  const int form = in.norm_w ? NORMED : in.gated ? GATED : PLAIN;
+  const bool by_rows = p2 >= 8 && p2 <= ROWS_MAX_P2 && k <= ROWS_MAX_K && rows <= 65535;
+  if (form != PLAIN && (!by_rows || (form == NORMED && k != 1) || (in.x_add != nullptr) != (in.h_out != nullptr)))
+    return UNSUPPORTED;  // formed inputs: the rows kernel only (the caller forms them in torch otherwise)
   if (rows == 0) return 0;
   const float scale = rsqrtf(static_cast<float>(n));
   const T* xt = static_cast<const T*>(x);
   T* yt = static_cast<T*>(y);
-  if (p2 >= 8 && p2 <= ROWS_MAX_P2 && k <= ROWS_MAX_K && rows <= 65535) {
+  if (by_rows) {
     const int chunk_threads = p2 / 8 < 32 ? 32 : p2 / 8;
     int slices = ROWS_THREADS / chunk_threads;
     if (slices > k) slices = k;
-    return launch_pdl(hadamard_rows_kernel<T>, dim3(k, rows), dim3(slices * chunk_threads), 0, stream, pdl, xt, yt,
-                      signs, hk, n, k, __builtin_ctz(p2), chunk_threads, scale);
+    auto kern = form == NORMED ? hadamard_rows_kernel<T, NORMED>
+                : form == GATED ? hadamard_rows_kernel<T, GATED> : hadamard_rows_kernel<T, PLAIN>;
+    return launch_pdl(kern, dim3(k, rows), dim3(slices * chunk_threads), 0, stream, pdl, xt, yt, signs, hk, n, k,
+                      __builtin_ctz(p2), chunk_threads, scale, in);
   }
   const size_t smem = static_cast<size_t>(n) * sizeof(float);
   if (smem > 48 * 1024) {
@@ -226,10 +266,10 @@ int launch(const void* x, void* y, const uint8_t* signs, const int8_t* hk, int r
 }  // namespace
 
 int hadamard(const void* x, void* y, const uint8_t* signs, const int8_t* hk, int rows, int n, int k,
-             int p2, int dtype, int num_sms, int pdl, void* stream) {
+             int p2, int dtype, int num_sms, int pdl, void* stream, const RotationInput& in) {
   if (k * p2 != n || (p2 & (p2 - 1)) != 0) return UNSUPPORTED;
-  return dtype == BF16 ? launch<__nv_bfloat16>(x, y, signs, hk, rows, n, k, p2, num_sms, pdl != 0, stream)
-                       : launch<__half>(x, y, signs, hk, rows, n, k, p2, num_sms, pdl != 0, stream);
+  return dtype == BF16 ? launch<__nv_bfloat16>(x, y, signs, hk, rows, n, k, p2, num_sms, pdl != 0, stream, in)
+                       : launch<__half>(x, y, signs, hk, rows, n, k, p2, num_sms, pdl != 0, stream, in);
 }
 
 }  // namespace qp

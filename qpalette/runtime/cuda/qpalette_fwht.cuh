@@ -177,14 +177,19 @@ __device__ __forceinline__ void add_chunk(float (&v)[8], const uint4& raw) {
 
 // v += Σ_a H_K[seg, a] (s ⊙ x)[a·2^m + 8t + ·] over a = a0, a0 + step, … < K (hk: K·K ±1, unused
 // when K = 1): chunk t of segment seg of (H_K ⊗ I) (s ⊙ x), before the 2^m-point transform.
-template <class T>
+// GATED: x is a gated MLP's [gate | up] (2n wide) and the input is silu(gate) ⊙ up (silu_mul).
+template <class T, bool GATED = false>
 __device__ __forceinline__ void mix_segments(float (&v)[8], const T* x, const uint8_t* signs, const int8_t* hk,
                                              int k, int log2p2, int seg, int t, int a0, int step) {
+  const uint4* x4 = reinterpret_cast<const uint4*>(x);
+  const int up = (k << log2p2) >> 3;  // chunks from a gate chunk to its up chunk
 #pragma unroll 4
   for (int a = a0; a < k; a += step) {
     const int chunk = ((a << log2p2) >> 3) + t;
+    uint4 raw = __ldg(x4 + chunk);
+    if constexpr (GATED) raw = silu_mul<T>(raw, __ldg(x4 + up + chunk));
     float w[8];
-    signed_chunk<T>(__ldg(reinterpret_cast<const uint4*>(x) + chunk), __ldg(signs + chunk), w);
+    signed_chunk<T>(raw, __ldg(signs + chunk), w);
     const bool neg = k > 1 && __ldg(hk + seg * k + a) < 0;
 #pragma unroll
     for (int e = 0; e < 8; ++e) v[e] += neg ? -w[e] : w[e];

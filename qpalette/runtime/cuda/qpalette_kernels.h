@@ -76,11 +76,23 @@ struct DequantArgs {
 int gemv(const GemvArgs& a, int family, int p0, int p1);
 int dequant(const DequantArgs& a, int family, int p0, int p1);
 
+// What the rotation forms from x first: x itself; silu(gate) ⊙ up (`gated`: x rows are [gate | up],
+// 2n wide, the product rounded to the dtype once); or rmsnorm(x + x_add) ⊙ norm_w (`norm_w`: K = 1
+// only; x_add and h_out, (rows, n), both or neither: h_out ← x + x_add).
+struct RotationInput {
+  int gated = 0;
+  const void* norm_w = nullptr;
+  float norm_eps = 0.f;
+  const void* x_add = nullptr;
+  void* h_out = nullptr;
+};
+
 // y = H(s ⊙ x) row by row: x, y (rows, n) in dtype; signs bit-packed (n/8); hk the ±1 int8
 // factor H_K (K·K, row-major; nullptr when K = 1); n = K·p2, p2 a power of two; pdl: launch as a
-// programmatic dependent launch (Hopper only).
+// programmatic dependent launch (Hopper only). UNSUPPORTED for a formed input (`in`) the kernel
+// does not take: 2^m > 4096, K > 64, or a norm with K > 1.
 int hadamard(const void* x, void* y, const uint8_t* signs, const int8_t* hk, int rows, int n, int k,
-             int p2, int dtype, int num_sms, int pdl, void* stream);
+             int p2, int dtype, int num_sms, int pdl, void* stream, const RotationInput& in = RotationInput{});
 
 // Tail-biting Viterbi of the TCQ trellis (qpalette/quant/trellis.py): x (n_tiles, 128, 2) float32
 // tile pairs, table (2^q, 2) float32 hybrid table, paths (n_tiles, 128) int64 states out; scratch:
