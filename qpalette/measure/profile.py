@@ -12,8 +12,8 @@ forward loop (compiled, CUDA graphs, static cache: the GPU's time per token), mi
 times of its matmuls measured like the groups. It therefore holds the online rotations as the
 runtime runs them (fused into the matmul at batch 1), attention, norms, the 16-bit lm_head, and
 the gaps between kernels inside a model that isolated kernel times miss. Its blocks count as
-unfused: where the runtime runs a block's adds and norms inside its GEMVs (at batch 1), the same
-model is timed with every layer's own forward too, and `fused_block_saving_s` (a block) is what a
+unfused: where the runtime runs a block's adds and norms inside its kernels (inside its GEMVs at
+batch 1, its rotation kernels at batch 2–8), the same model is timed with every layer's own forward too, and `fused_block_saving_s` (a block) is what a
 plan subtracts for each block that fuses (`planning.program.fused_blocks`). The same model with
 lm_head quantized too gives `constant_quantized_head_s`, which a plan that quantizes the head uses
 (`LatencyProfile.with_quantized_head`). Predictions made from a profile are forward-loop tok/s;
@@ -247,10 +247,11 @@ def fusion_saving(cfg: dict, batch: int, dtype: torch.dtype, step: float, fused:
                   kernels: dict[tuple[int, int], float]) -> dict:
     """What one fused decoder block saves: the ANCHOR model's step with every layer's own forward
     (`fused_blocks_off`) less its `step` with `fused` blocks fused, a block; 0 when none fuses or
-    the runtime keeps the blocks' own forwards at this batch (the rotation not in the GEMV)."""
+    the runtime keeps the blocks' own forwards at this batch (over `ops.FUSED_MAX_ROWS` rows; at
+    batch 2–8 the rotation kernels do the blocks' elementwise work, at batch 1 the GEMVs)."""
     from qpalette.runtime import ops
 
-    if not fused or not ops.fuses_rotation(architecture.dims(cfg)["hidden"], batch):
+    if not fused or batch > ops.FUSED_MAX_ROWS:
         return {"fused_blocks": 0, "fused_block_saving_s": 0.0}
     with fused_blocks_off():
         unfused, _, _, _ = anchor_step(cfg, batch, dtype, False, kernels)

@@ -265,8 +265,8 @@ def _totals(problem: Problem, solution: Solution, layers: dict[str, PlanLayer], 
         total_bytes = codes + cb + problem.sign_bytes + problem.unquantized_bytes
     latency, fused = None, set()
     if prof is not None and all(blk.latency_s is not None for blk in blocks):
-        fused = fused_blocks((blk.block, g.group, g.quantizer, layers[g.layers[0]].shape[1])
-                             for blk in blocks for g in blk.groups)
+        fused = fused_blocks(((blk.block, g.group, g.quantizer, layers[g.layers[0]].shape[1])
+                              for blk in blocks for g in blk.groups), prof.batch_size)
         latency = math.fsum(blk.latency_s for blk in blocks) + prof.constant_s - prof.fused_block_saving_s * len(fused)
     return {
         "predicted_loss": math.fsum(v.loss for v in layers.values()),

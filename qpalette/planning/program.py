@@ -102,8 +102,14 @@ class Problem:
         """Seconds a fused block saves (`fused_blocks`); blocks fuse only where fused groups are offered."""
         return self.latency.fused_block_saving_s if self.fused and self.latency is not None else 0.0
 
+    @property
+    def batch(self) -> int:
+        """The batch the latency profile was measured at (which blocks fuse depends on it)."""
+        return self.latency.batch_size if self.latency is not None else 1
+
     def fused_blocks(self, chosen: list[Option]) -> set[int]:
-        return fused_blocks((o.block, o.group, o.quantizer, self.layers[o.layers[0]].in_features) for o in chosen)
+        return fused_blocks(((o.block, o.group, o.quantizer, self.layers[o.layers[0]].in_features) for o in chosen),
+                            self.batch)
 
 
 #: a block's calls that take its elementwise work when it fuses (runtime.modules.install_fused_block):
@@ -112,22 +118,26 @@ class Problem:
 FUSED_BLOCK_GROUPS = ("qkv", "gateup", "down")
 
 
-def takes_block_fusion(group: str, quantizer: str, in_features: int) -> bool:
+def takes_block_fusion(group: str, quantizer: str, in_features: int, batch: int = 1) -> bool:
     """Whether a block's `group` call with this entry and input size takes its part of a fused block
-    (the runtime's rules: `ops.gemv_forms_input`, `gemv_norms`, `gemv_rotates`)."""
+    at this batch (the runtime's rules, `QuantizedLinear.takes_gated` / `takes_normed`: up to
+    `ops.FUSED_MAX_ROWS` rows, `gemv_rotates`, `gemv_norms`; where the GEMV rotates, at batch 1,
+    only entries whose GEMV forms its input, `gemv_forms_input`)."""
     from qpalette.runtime import ops
 
-    if group not in FUSED_BLOCK_GROUPS or not ops.gemv_forms_input(quantizer):
+    if group not in FUSED_BLOCK_GROUPS or batch > ops.FUSED_MAX_ROWS or not ops.gemv_rotates(in_features):
         return False
-    return ops.gemv_rotates(in_features) if group == "down" else ops.gemv_norms(in_features)
+    if ops.fuses_rotation(in_features, batch) and not ops.gemv_forms_input(quantizer):
+        return False
+    return group == "down" or ops.gemv_norms(in_features)
 
 
-def fused_blocks(calls) -> set[int]:
-    """Blocks all of whose FUSED_BLOCK_GROUPS calls take the fusion, of (block, group, entry,
-    in_features) calls."""
+def fused_blocks(calls, batch: int = 1) -> set[int]:
+    """Blocks all of whose FUSED_BLOCK_GROUPS calls take the fusion at this batch, of (block, group,
+    entry, in_features) calls."""
     parts: dict[int, set[str]] = defaultdict(set)
     for block, group, quantizer, in_features in calls:
-        if takes_block_fusion(group, quantizer, in_features):
+        if takes_block_fusion(group, quantizer, in_features, batch):
             parts[block].add(group)
     return {b for b, groups in parts.items() if len(groups) == len(FUSED_BLOCK_GROUPS)}
 
@@ -282,7 +292,8 @@ class _OptionMaker:
             if key not in self._drop:
                 score = self.err if self.losses is None else loss
                 fuses = {q.name for q, *_ in cand
-                         if self.block_saving > 0 and takes_block_fusion(g, q.name, members[0].in_features)}
+                         if self.block_saving > 0 and takes_block_fusion(g, q.name, members[0].in_features,
+                                                                         self.latency.batch_size)}
                 self._drop[key] = _dominated(cand, score, self.cb_bytes, self.active, self.use_latency, fuses)
             self.pruned += sum(1 for c in cand if c[0].name in self._drop[key])
             cand = [c for c in cand if c[0].name not in self._drop[key]]
@@ -468,7 +479,7 @@ def _fused_block_vars(solver, problem: Problem, x) -> list:
         return []
     takes: dict[int, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
     for i, o in enumerate(problem.options):
-        if takes_block_fusion(o.group, o.quantizer, problem.layers[o.layers[0]].in_features):
+        if takes_block_fusion(o.group, o.quantizer, problem.layers[o.layers[0]].in_features, problem.batch):
             takes[o.block][o.group].append(i)
     fs = []
     for b, by_group in sorted(takes.items()):

@@ -117,8 +117,11 @@ def test_the_constant_is_the_anchor_step_less_its_matmuls(tiny_llama_dir, monkey
     const, parts = profile.measure_constant(_tiny_cfg(tiny_llama_dir), 1, torch.float16, say=said.append)
     assert const == pytest.approx(2.4e-3) and "constant_quantized_head_s" not in parts
     assert any("derived" in m for m in said)
-    # batch 8: the rotation is not fused, the blocks keep their own forwards: nothing to subtract
+    # batch 8: the rotation kernels do the blocks' elementwise work, measured alike; batch 9: the
+    # blocks keep their own forwards, nothing to subtract
     const, parts = profile.measure_constant(cfg, 8, torch.float16, say=lambda m: None)
+    assert parts["fused_block_saving_s"] == pytest.approx(2e-4) and const == pytest.approx(2.4e-3)
+    const, parts = profile.measure_constant(cfg, 9, torch.float16, say=lambda m: None)
     assert parts["fused_block_saving_s"] == 0 and const == pytest.approx(2e-3)
     # mixture of experts: the FP16 step less its linear layers, plus the rotations; no anchor model
     moe = _tiny_cfg(tiny_llama_dir, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)

@@ -313,6 +313,22 @@ def test_speed_plan_with_fused_block_savings_equals_brute_force(seed):
                      sol.chosen)["latency"] == pytest.approx(lat - 2.5e-5 * len(fused_by_hand(sol.chosen)))
 
 
+@pytest.mark.parametrize("batch, takes", [(1, {"tcq-2.0", "nuq-4"}),
+                                          (8, {"tcq-2.0", "nuq-4", "half-tcq-3.25", "nuq-8"}), (9, set())])
+def test_which_entries_let_a_block_fuse_depends_on_the_batch(batch, takes):
+    """The runtime's rule (QuantizedLinear.takes_normed / takes_gated): at batch 1 the GEMV forms the
+    block's inputs, so only entries whose GEMV can (not half-TCQ, ≤ 12 words); at batch 2–8 the
+    rotation kernel forms them for any entry; above 8 rows no block fuses."""
+    from qpalette.planning.program import takes_block_fusion
+
+    for group in ("qkv", "gateup", "down"):
+        got = {q for q in ("tcq-2.0", "nuq-4", "half-tcq-3.25", "nuq-8") if takes_block_fusion(group, q, 4096, batch)}
+        assert got == takes, group
+    assert not takes_block_fusion("o", "tcq-2.0", 4096, batch)  # o's input is the attention's output
+    assert takes_block_fusion("down", "tcq-2.0", 14336, batch) == bool(takes)  # K = 28: no norm there
+    assert not takes_block_fusion("qkv", "tcq-2.0", 1536, batch)  # a norm needs K = 1
+
+
 def test_a_budget_only_fused_blocks_meet_is_met_by_fusing_them():
     """Just under the fastest plan without the saving, no plan fits; with it the plan fuses blocks
     (q/k/v and gate/up grouped, entries that form their inputs) and the document counts them."""
