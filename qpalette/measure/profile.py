@@ -12,9 +12,10 @@ forward loop (compiled, CUDA graphs, static cache: the GPU's time per token), mi
 times of its matmuls measured like the groups. It therefore holds the online rotations as the
 runtime runs them (fused into the matmul at batch 1), attention, norms, the 16-bit lm_head, and
 the gaps between kernels inside a model that isolated kernel times miss. Its blocks count as
-unfused: where the runtime runs a block's adds and norms inside its kernels (inside its GEMVs at
-batch 1, its rotation kernels at batch 2–8), the same model is timed with every layer's own forward too, and `fused_block_saving_s` (a block) is what a
-plan subtracts for each block that fuses (`planning.program.fused_blocks`). The same model with
+unfused: where the runtime runs a block's adds and norms inside its kernels (its GEMVs at batch 1,
+its rotation kernels at batch 2–8), the same model is timed with every layer's own forward too, and
+`fused_block_saving_s` (a block) is what a plan subtracts for each block that fuses
+(`planning.program.fused_blocks`). The same model with
 lm_head quantized too gives `constant_quantized_head_s`, which a plan that quantizes the head uses
 (`LatencyProfile.with_quantized_head`). Predictions made from a profile are forward-loop tok/s;
 transformers' `generate` adds its per-token host work on top (`qpalette bench` reports both). The
