@@ -464,8 +464,8 @@ def _formed_rotation(x2, signs, gated, norm):
     """H(s ⊙ input) by the rotation kernel forming the input itself (silu(gate) ⊙ up, or add +
     RMSNorm with the sum written to norm's h_out), or None where that kernel does not take the size
     (the caller then forms the input in torch). Launched without programmatic dependent launch: in
-    a decoder block it follows a GEMV, and that edge with PDL cost ~3 µs more at batch ≥ 4 on an
-    H200 (results/kernels_h200/v20/ §4; with PDL the 2-bit batch-8 decode lost 3%, ../v21/)."""
+    a decoder block it follows a persistent GEMV, and launched early its blocks crowd onto the first
+    SMs that GEMV frees, 4 a SM (results/kernels_h200/v21/ §3: the 2-bit batch-8 decode lost 3%)."""
     n = x2.shape[1] // 2 if gated else x2.shape[1]
     if not _hadamard_ok(n):
         return None
