@@ -342,7 +342,8 @@ def summary(plan: Plan) -> str:
     if t["latency_s"] is not None:
         lines.append(
             f"predicted latency: {t['latency_s'] * 1e3:.4f} ms/token = {t['tok_per_s']:.2f} tok/s "
-            f"(batch {t['batch_size']}" + (f"; {t['fused_blocks']} blocks run their norms in their GEMVs)"
+            f"(batch {t['batch_size']}" + (f"; {t['fused_blocks']} blocks run their norms and adds in their "
+                                           + ("GEMVs)" if t["batch_size"] == 1 else "rotation kernels)")
                                            if t.get("fused_blocks") else ")")
         )
     else:
