@@ -45,6 +45,7 @@ from qpalette.models import topology as architecture
 from qpalette.models.experts import is_expert_layer
 from qpalette.models.topology import GROUPS
 from qpalette.planning.inputs import LATENCY_FORMAT
+from qpalette.planning.program import takes_block_fusion
 from qpalette.quant.palette import PALETTE, get_quantizer
 
 PARTIAL_FORMAT = "qpalette.latency-partial/1"
@@ -248,11 +249,13 @@ def fusion_saving(cfg: dict, batch: int, dtype: torch.dtype, step: float, fused:
                   kernels: dict[tuple[int, int], float]) -> dict:
     """What one fused decoder block saves: the ANCHOR model's step with every layer's own forward
     (`fused_blocks_off`) less its `step` with `fused` blocks fused, a block; 0 when none fuses or
-    the runtime keeps the blocks' own forwards at this batch (over `ops.FUSED_MAX_ROWS` rows; at
-    batch 2–8 the rotation kernels do the blocks' elementwise work, at batch 1 the GEMVs)."""
-    from qpalette.runtime import ops
-
-    if not fused or batch > ops.FUSED_MAX_ROWS:
+    the runtime keeps the blocks' own forwards at this batch and these sizes (the planner's mirror of
+    its rule, `takes_block_fusion`: at batch 1 the GEMVs do the blocks' elementwise work, at batch
+    2–8 the rotation kernels, above that nothing)."""
+    d = architecture.dims(cfg)
+    takes = all(takes_block_fusion(g, ANCHOR, n, batch) for g, n in (("qkv", d["hidden"]), ("gateup", d["hidden"]),
+                                                                       ("down", d["intermediate"])))
+    if not fused or not takes:
         return {"fused_blocks": 0, "fused_block_saving_s": 0.0}
     with fused_blocks_off():
         unfused, _, _, _ = anchor_step(cfg, batch, dtype, False, kernels)

@@ -281,7 +281,7 @@ def _totals(problem: Problem, solution: Solution, layers: dict[str, PlanLayer], 
         },
         "bytes_per_quantized_weight_bits": 8 * (codes + cb + problem.sign_bytes) / problem.total_params,
         "latency_s": latency,
-        "fused_blocks": len(fused),  # blocks whose norms and adds run in their GEMVs (program.fused_blocks)
+        "fused_blocks": len(fused),  # blocks whose norms and adds run in their kernels (program.fused_blocks)
         "tok_per_s": None if latency is None else 1.0 / latency,
         "batch_size": prof.batch_size if prof else None,
         "throughput_tok_per_s": None if latency is None else prof.batch_size / latency,
@@ -342,9 +342,8 @@ def summary(plan: Plan) -> str:
     if t["latency_s"] is not None:
         lines.append(
             f"predicted latency: {t['latency_s'] * 1e3:.4f} ms/token = {t['tok_per_s']:.2f} tok/s "
-            f"(batch {t['batch_size']}" + (f"; {t['fused_blocks']} blocks run their norms and adds in their "
-                                           + ("GEMVs)" if t["batch_size"] == 1 else "rotation kernels)")
-                                           if t.get("fused_blocks") else ")")
+            f"(batch {t['batch_size']}" + (f"; {t['fused_blocks']} blocks run their norms and adds inside their "
+                                           "kernels)" if t.get("fused_blocks") else ")")
         )
     else:
         given = (plan.provenance or {}).get("latency_profile")

@@ -190,10 +190,10 @@ class LatencyProfile:
 
     @property
     def fused_block_saving_s(self) -> float:
-        """What a decoder block's step saves when its residual adds and norms run inside its GEMVs
-        (`runtime.modules.install_fused_block`, which takes blocks whose q/k/v and gate/up are
-        fused groups and whose entries form their inputs: `program.fused_blocks`). `constant_s`
-        holds the unfused blocks' work; 0 in profiles from before it was measured."""
+        """What a decoder block's step saves when its residual adds and norms run inside its kernels
+        (`runtime.modules.install_fused_block`: the GEMVs at batch 1, the rotation kernels at batch
+        2–8, for blocks whose q/k/v and gate/up are fused groups: `program.fused_blocks`).
+        `constant_s` holds the unfused blocks' work; 0 in profiles from before it was measured."""
         return float(self.meta.get("fused_block_saving_s", 0.0))
 
     def with_quantized_head(self) -> "LatencyProfile":

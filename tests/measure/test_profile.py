@@ -92,11 +92,10 @@ def test_the_constant_is_the_anchor_step_less_its_matmuls(tiny_llama_dir, monkey
             return 4.5e-3, 3.2e-3, "compiled forward loop", 2
         return (5.4e-3, 3e-3, "compiled forward loop", 0) if unfused else (5e-3, 3e-3, "compiled forward loop", 2)
 
-    from qpalette.runtime import ops
-
     monkeypatch.delenv("QPALETTE_FUSED_BLOCKS", raising=False)
     monkeypatch.setattr(profile, "anchor_step", anchor_step)
-    monkeypatch.setattr(ops, "fuses_rotation", lambda n, rows: rows == 1)  # as for a 4096-wide model
+    # as for a 4096-wide model: its blocks fuse up to 8 rows
+    monkeypatch.setattr(profile, "takes_block_fusion", lambda g, q, n, batch: batch <= 8)
     monkeypatch.setattr(profile, "random_model", lambda cfg, dtype: None)
     monkeypatch.setattr(profile, "decode_step_time", lambda model, b: (7e-3, "compiled forward loop"))
     monkeypatch.setattr(profile, "fp16_linear_time", lambda cfg, b, dtype: 6e-3)

@@ -315,11 +315,13 @@ def test_speed_plan_with_fused_block_savings_equals_brute_force(seed):
 
 @pytest.mark.parametrize("batch, takes", [(1, {"tcq-2.0", "nuq-4"}),
                                           (8, {"tcq-2.0", "nuq-4", "half-tcq-3.25", "nuq-8"}), (9, set())])
-def test_which_entries_let_a_block_fuse_depends_on_the_batch(batch, takes):
+def test_which_entries_let_a_block_fuse_depends_on_the_batch(batch, takes, monkeypatch):
     """The runtime's rule (QuantizedLinear.takes_normed / takes_gated): at batch 1 the GEMV forms the
     block's inputs, so only entries whose GEMV can (not half-TCQ, ≤ 12 words); at batch 2–8 the
     rotation kernel forms them for any entry; above 8 rows no block fuses."""
     from qpalette.planning.program import takes_block_fusion
+
+    monkeypatch.delenv("QPALETTE_FUSED_ROTATION", raising=False)
 
     for group in ("qkv", "gateup", "down"):
         got = {q for q in ("tcq-2.0", "nuq-4", "half-tcq-3.25", "nuq-8") if takes_block_fusion(group, q, 4096, batch)}
@@ -327,6 +329,30 @@ def test_which_entries_let_a_block_fuse_depends_on_the_batch(batch, takes):
     assert not takes_block_fusion("o", "tcq-2.0", 4096, batch)  # o's input is the attention's output
     assert takes_block_fusion("down", "tcq-2.0", 14336, batch) == bool(takes)  # K = 28: no norm there
     assert not takes_block_fusion("qkv", "tcq-2.0", 1536, batch)  # a norm needs K = 1
+
+
+@pytest.mark.parametrize("mode", ["auto", "1", "0"])
+def test_the_planners_fusion_rule_is_the_runtimes(mode, monkeypatch):
+    """takes_block_fusion against QuantizedLinear.takes_normed (q/k/v, gate/up) and takes_gated
+    (down) on the kernels' path, over entries, input sizes, batches 1–9 and QPALETTE_FUSED_ROTATION."""
+    import torch
+    from torch import nn
+
+    from qpalette.planning.program import takes_block_fusion
+    from qpalette.runtime import modules, ops
+
+    monkeypatch.setenv("QPALETTE_FUSED_ROTATION", mode)
+    monkeypatch.setattr(ops, "_fused_rotation_mode", lambda: {"1": "on", "0": "off"}.get(mode, "auto"))
+    monkeypatch.setattr(ops, "uses_kernels", lambda x: True)
+    norm = nn.RMSNorm(8).to(torch.float16)
+    for q in ("tcq-2.0", "nuq-4", "half-tcq-3.25", "nuq-8"):
+        for n in (64, 128, 1536, 4096, 14336):
+            layer = modules.QuantizedLinear(n, 16, q)
+            for batch in range(1, 10):
+                x = torch.zeros(batch, n, dtype=torch.float16)
+                assert takes_block_fusion("down", q, n, batch) == layer.takes_gated(x), (q, n, batch)
+                for g in ("qkv", "gateup"):
+                    assert takes_block_fusion(g, q, n, batch) == layer.takes_normed(x, norm), (q, n, batch)
 
 
 def test_a_budget_only_fused_blocks_meet_is_met_by_fusing_them():
