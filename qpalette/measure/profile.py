@@ -249,8 +249,8 @@ def fusion_saving(cfg: dict, batch: int, dtype: torch.dtype, step: float, fused:
                   kernels: dict[tuple[int, int], float]) -> dict:
     """What one fused decoder block saves: the ANCHOR model's step with every layer's own forward
     (`fused_blocks_off`) less its `step` with `fused` blocks fused, a block; 0 when none fuses or
-    the runtime keeps the blocks' own forwards at this batch and these sizes (the planner's mirror of
-    its rule, `takes_block_fusion`: at batch 1 the GEMVs do the blocks' elementwise work, at batch
+    the runtime keeps the blocks' own forwards at this batch and these sizes (its rule, through the
+    planner's `takes_block_fusion`: at batch 1 the GEMVs do the blocks' elementwise work, at batch
     2–8 the rotation kernels, above that nothing)."""
     d = architecture.dims(cfg)
     takes = all(takes_block_fusion(g, ANCHOR, n, batch) for g, n in (("qkv", d["hidden"]), ("gateup", d["hidden"]),

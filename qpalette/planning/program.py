@@ -120,16 +120,10 @@ FUSED_BLOCK_GROUPS = ("qkv", "gateup", "down")
 
 def takes_block_fusion(group: str, quantizer: str, in_features: int, batch: int = 1) -> bool:
     """Whether a block's `group` call with this entry and input size takes its part of a fused block
-    at this batch (the runtime's rules, `QuantizedLinear.takes_gated` / `takes_normed`: up to
-    `ops.FUSED_MAX_ROWS` rows, `gemv_rotates`, `gemv_norms`; where the GEMV rotates, at batch 1,
-    only entries whose GEMV forms its input, `gemv_forms_input`)."""
+    at this batch: the runtime's rule, `ops.forms_block_input` (down gated, q/k/v and gate/up normed)."""
     from qpalette.runtime import ops
 
-    if group not in FUSED_BLOCK_GROUPS or batch > ops.FUSED_MAX_ROWS or not ops.gemv_rotates(in_features):
-        return False
-    if ops.fuses_rotation(in_features, batch) and not ops.gemv_forms_input(quantizer):
-        return False
-    return group == "down" or ops.gemv_norms(in_features)
+    return group in FUSED_BLOCK_GROUPS and ops.forms_block_input(quantizer, in_features, batch, group != "down")
 
 
 def fused_blocks(calls, batch: int = 1) -> set[int]:

@@ -186,12 +186,10 @@ class QuantizedLinear(_CallCache, _KeepsFp16):
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def takes_gated(self, x: torch.Tensor) -> bool:
-        """Whether `gated_forward` suits activations like x: the kernels' path for up to 8 rows and
-        an input the GEMV rotates, with the rotation in the GEMV (batch 1) for an entry whose GEMV
-        forms its input itself, or in the rotation kernel, which then forms it (batch 2–8)."""
+        """Whether `gated_forward` suits activations like x: the kernels' path, with the input
+        formed by the GEMV (batch 1) or the rotation kernel (batch 2–8): `ops.forms_block_input`."""
         rows = x.numel() // x.shape[-1]
-        return (ops.uses_kernels(x) and rows <= ops.FUSED_MAX_ROWS and ops.gemv_rotates(self.in_features)
-                and (not ops.fuses_rotation(self.in_features, rows) or ops.gemv_forms_input(self.quantizer.name)))
+        return ops.uses_kernels(x) and ops.forms_block_input(self.quantizer.name, self.in_features, rows, False)
 
     def gated_forward(self, gu: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """forward(silu(gate) ⊙ up) [+ residual] for gu = [gate | up] (..., 2·in), the GEMV forming
@@ -205,9 +203,11 @@ class QuantizedLinear(_CallCache, _KeepsFp16):
         return self._add_bias(y)
 
     def takes_normed(self, x: torch.Tensor, norm: nn.Module) -> bool:
-        """Whether `normed_forward` suits activations like x and this RMSNorm: `takes_gated`'s
-        conditions, a power-of-two input (`ops.gemv_norms`) and the norm's weight in x's dtype."""
-        return self.takes_gated(x) and ops.gemv_norms(self.in_features) and norm.weight.dtype == x.dtype
+        """Whether `normed_forward` suits activations like x and this RMSNorm: the kernels' path
+        (`ops.forms_block_input` with a norm: a power-of-two input) and the norm's weight in x's dtype."""
+        rows = x.numel() // x.shape[-1]
+        return (ops.uses_kernels(x) and ops.forms_block_input(self.quantizer.name, self.in_features, rows, True)
+                and norm.weight.dtype == x.dtype)
 
     def normed_forward(self, x: torch.Tensor, norm: nn.Module,
                        residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:

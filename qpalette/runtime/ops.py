@@ -169,6 +169,19 @@ def gemv_norms(n: int) -> bool:
     return gemv_rotates(n) and decompose(n)[0] == 1
 
 
+def forms_block_input(quantizer: str, in_features: int, rows: int, norm: bool) -> bool:
+    """Whether a decoder block's gated call (down: silu(gate) ⊙ up) or, with `norm`, normed call
+    (q/k/v, gate/up: add + RMSNorm) on `rows` activation rows runs with its input formed on the
+    kernels: by the GEMV where it rotates x itself (batch 1; entries with `gemv_forms_input`), by
+    the rotation kernel otherwise (batch 2–8); a norm needs K = 1 (`gemv_norms`). The one rule
+    behind `QuantizedLinear.takes_gated` / `takes_normed` and the planner's `takes_block_fusion`."""
+    if rows > FUSED_MAX_ROWS or not gemv_rotates(in_features):
+        return False
+    if fuses_rotation(in_features, rows) and not gemv_forms_input(quantizer):
+        return False
+    return not norm or gemv_norms(in_features)
+
+
 def rotated_matmul(x: torch.Tensor, signs: torch.Tensor, quantizer: str, tensors: dict[str, torch.Tensor],
                    shape: tuple[int, int]) -> torch.Tensor:
     """quantized_matmul(rotate(x, signs), ...) as one op (one kernel on CUDA for batch ≤ 8)."""

@@ -334,7 +334,8 @@ def test_which_entries_let_a_block_fuse_depends_on_the_batch(batch, takes, monke
 @pytest.mark.parametrize("mode", ["auto", "1", "0"])
 def test_the_planners_fusion_rule_is_the_runtimes(mode, monkeypatch):
     """takes_block_fusion against QuantizedLinear.takes_normed (q/k/v, gate/up) and takes_gated
-    (down) on the kernels' path, over entries, input sizes, batches 1–9 and QPALETTE_FUSED_ROTATION."""
+    (down) on the kernels' path, over entries, input sizes, batches 1–9 and QPALETTE_FUSED_ROTATION:
+    both go through ops.forms_block_input, and neither may add a condition of its own."""
     import torch
     from torch import nn
 

@@ -160,8 +160,8 @@ __device__ __forceinline__ void normed_row(float (&v)[8], const T* xr, const uin
       reinterpret_cast<uint4*>(static_cast<T*>(in.h_out) + row * n)[t] = h;
     }
   }
-  const float ss = block_sum(active ? sum_squares<T>(h) : 0.f, part);
-  if (active) signed_chunk<T>(rms_scaled<T>(h, wn, rsqrtf(ss / static_cast<float>(n) + in.norm_eps)), sb, v);
+  const uint4 normed = rms_normed_chunk<T>(h, wn, active, n, in.norm_eps, part);
+  if (active) signed_chunk<T>(normed, sb, v);
 }
 
 // What the rows kernel forms from x before rotating it (RotationInput): x itself, silu(gate) ⊙ up

@@ -144,6 +144,16 @@ __device__ __forceinline__ float block_sum(float v, float* part) {
   return s;
 }
 
+// LlamaRMSNorm of the block's row, chunk `h` of it (n elements over the block; inactive threads hold
+// none): w ⊙ T(h · rsqrt(mean h² + eps)). The GEMV's batch-1 staging and the rotation kernel at batch
+// 2–8 both call it, so the two paths round alike. Every thread calls it (block_sum: one barrier).
+template <class T>
+__device__ __forceinline__ uint4 rms_normed_chunk(const uint4& h, const uint4& w, bool active, int n, float eps,
+                                                  float* part) {
+  const float ss = block_sum(active ? sum_squares<T>(h) : 0.f, part);
+  return rms_scaled<T>(h, w, rsqrtf(ss / static_cast<float>(n) + eps));
+}
+
 // the 8 elements of a 16-byte chunk, sign byte `sb` applied (bit 7 − k set ⇔ element k negated)
 template <class T>
 __device__ __forceinline__ void signed_chunk(const uint4& raw, uint32_t sb, float (&v)[8]) {

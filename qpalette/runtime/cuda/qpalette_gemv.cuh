@@ -434,8 +434,7 @@ __device__ __forceinline__ uint4 normed_chunk(const GemvParams& p, uint4 in, con
     in = add_chunks<T>(in, res);
     if (blockIdx.x == 0) reinterpret_cast<uint4*>(reinterpret_cast<T*>(p.h_out) + (row << p.log2p2))[c] = in;
   }
-  const float ss = block_sum(active ? sum_squares<T>(in) : 0.f, part);
-  return rms_scaled<T>(in, wn, rsqrtf(ss / static_cast<float>(1 << p.log2p2) + p.norm_eps));
+  return rms_normed_chunk<T>(in, wn, active, 1 << p.log2p2, p.norm_eps, part);
 }
 
 // SHARE (kernels that may run in a rotation cluster, p.rs > 1: batch > 1, K = 1, no K split): CTA
