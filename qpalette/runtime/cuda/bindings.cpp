@@ -201,15 +201,22 @@ at::Tensor dequant(const at::Tensor& codes_a, const c10::optional<at::Tensor>& c
   return w;
 }
 
+// The rotation's arguments for x (rows, ·; its shape checked first) rotated over n columns: signs
+// bit-packed (n/8,), H_K for K > 1.
+void check_rotation(const at::Tensor& x, const at::Tensor& signs, const c10::optional<at::Tensor>& hk, int64_t k,
+                    int64_t n) {
+  check_cuda(x, "x");
+  check_cuda(signs, "signs");
+  TORCH_CHECK(signs.scalar_type() == at::kByte && signs.numel() * 8 == n, "signs must be uint8 (n/8,)");
+  TORCH_CHECK(k == 1 || (hk.has_value() && hk->numel() == k * k), "H_K missing");
+}
+
 at::Tensor hadamard(const at::Tensor& x, const at::Tensor& signs, const c10::optional<at::Tensor>& hk,
                     int64_t k, int64_t p2, int64_t stream, int64_t num_sms, bool pdl,
                     const c10::optional<at::Tensor>& out) {
-  check_cuda(x, "x");
-  check_cuda(signs, "signs");
   TORCH_CHECK(x.dim() == 2, "x must be (rows, n)");
+  check_rotation(x, signs, hk, k, x.size(1));
   const int n = static_cast<int>(x.size(1));
-  TORCH_CHECK(signs.scalar_type() == at::kByte && signs.numel() * 8 == n, "signs must be uint8 (n/8,)");
-  TORCH_CHECK(k == 1 || (hk.has_value() && hk->numel() == k * k), "H_K missing");
   auto y = out.has_value() ? *out : at::empty_like(x);
   TORCH_CHECK(y.is_contiguous() && y.sizes() == x.sizes() && y.scalar_type() == x.scalar_type(),
               "out must be a contiguous tensor like x");
@@ -232,14 +239,10 @@ c10::optional<at::Tensor> hadamard_formed(const at::Tensor& x, const at::Tensor&
                                           const c10::optional<at::Tensor>& norm_weight, double norm_eps,
                                           const c10::optional<at::Tensor>& x_add,
                                           const c10::optional<at::Tensor>& h_out) {
-  check_cuda(x, "x");
-  check_cuda(signs, "signs");
-  TORCH_CHECK(x.dim() == 2, "x must be (rows, n) or (rows, 2n) gated");
+  TORCH_CHECK(x.dim() == 2 && (!gated || x.size(1) % 2 == 0), "x must be (rows, n), or (rows, 2n) gated");
   TORCH_CHECK(!gated || !norm_weight.has_value(), "gated or normed, not both");
   const int64_t n = gated ? x.size(1) / 2 : x.size(1);
-  TORCH_CHECK(!gated || x.size(1) % 2 == 0, "gated x must be (rows, 2n)");
-  TORCH_CHECK(signs.scalar_type() == at::kByte && signs.numel() * 8 == n, "signs must be uint8 (n/8,)");
-  TORCH_CHECK(k == 1 || (hk.has_value() && hk->numel() == k * k), "H_K missing");
+  check_rotation(x, signs, hk, k, n);
   using Extras = InputOutputExtras;
   qp::RotationInput in{};
   in.gated = gated ? 1 : 0;
