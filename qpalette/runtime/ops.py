@@ -476,9 +476,9 @@ def _normed_input(x2, weight, eps, residual, h_out):
 def _formed_rotation(x2, signs, gated, norm):
     """H(s ⊙ input) by the rotation kernel forming the input itself (silu(gate) ⊙ up, or add +
     RMSNorm with the sum written to norm's h_out), or None where that kernel does not take the size
-    (the caller then forms the input in torch). Launched without programmatic dependent launch: in
-    a decoder block it follows a persistent GEMV, and launched early its blocks crowd onto the first
-    SMs that GEMV frees, 4 a SM (results/kernels_h200/v21/ §3: the 2-bit batch-8 decode lost 3%)."""
+    (the caller then forms the input in torch). Under programmatic dependent launch the kernel caps
+    its blocks a SM (hadamard.cu spread_blocks): launched early after a GEMV they would crowd onto the
+    first SMs that GEMV frees (results/kernels_h200/v21/ §3)."""
     n = x2.shape[1] // 2 if gated else x2.shape[1]
     if not _hadamard_ok(n):
         return None
@@ -488,7 +488,7 @@ def _formed_rotation(x2, signs, gated, norm):
     with torch.cuda.device(dev):
         return kernel_build.extension(dev).hadamard_formed(
             x2, signs, _hadamard_factor(k, dev) if k > 1 else None, k, p2, _stream(dev), _num_sms(dev),
-            False, gated, weight, eps, residual, h_out)
+            _pdl_on(dev), gated, weight, eps, residual, h_out)
 
 
 def _qmm_kernels(x2, codes, codes_b, row_scale, quantizer, out_features, signs=None, gated=False, norm=None,

@@ -316,6 +316,35 @@ def test_hadamard_kernel_forms_its_input(ext, n, dtype):
                                stream, sms, True, True, None, 0.0, None, None) is None
 
 
+
+def test_hadamard_formed_rejects_inconsistent_inputs(ext):
+    """hadamard_formed's argument checks: a residual needs h_out and a norm (and h_out a residual),
+    gated and normed together, an odd gated width and a wrongly shaped residual are errors, not
+    launches."""
+    n, rows = 512, 3
+    signs = pack_signs(random_signs(n, seed=0)).cuda()
+    stream, sms = torch.cuda.current_stream().cuda_stream, torch.cuda.get_device_properties(0).multi_processor_count
+    x = torch.randn(rows, n, device="cuda", dtype=torch.float16)
+    weight = torch.ones(n, device="cuda", dtype=torch.float16)
+    res, h_out = torch.randn_like(x), torch.empty_like(x)
+
+    def formed(x, gated, norm):
+        return ext.hadamard_formed(x, signs, None, 1, n, stream, sms, True, gated, *norm)
+
+    assert formed(x, False, (weight, 1e-5, res, h_out)) is not None
+    bad = {
+        "residual without h_out": (x, False, (weight, 1e-5, res, None)),
+        "h_out without residual": (x, False, (weight, 1e-5, None, h_out)),
+        "residual without norm": (x, False, (None, 0.0, res, h_out)),
+        "gated and normed": (torch.cat([x, x], 1), True, (weight, 1e-5, None, None)),
+        "odd gated width": (x[:, :-1].contiguous(), True, (None, 0.0, None, None)),
+        "residual of another shape": (x, False, (weight, 1e-5, res[:1].contiguous(), h_out)),
+    }
+    for what, (xi, gated, norm) in bad.items():
+        with pytest.raises(RuntimeError):
+            formed(xi, gated, norm)
+            pytest.fail(what)
+
 def _layer(name, rows, cols, gen):
     stored, tensors = random_tensors(name, rows, cols, gen)
     signs = pack_signs(random_signs(cols, seed=1)).cuda()

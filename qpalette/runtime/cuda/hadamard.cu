@@ -225,6 +225,25 @@ int launch_pdl(K kern, dim3 grid, dim3 block, size_t smem, void* stream, bool pd
   return cudaGetLastError();
 }
 
+// Under PDL a formed rotation follows a persistent GEMV, whose SMs free one at a time. Launched early,
+// the rotation's blocks crowd onto the first freed SMs, 4 a SM, and it runs on a quarter of the GPU
+// (results/kernels_h200/v21/ §3). `*bytes` of dynamic shared memory that the kernel does not use cap
+// the blocks a SM at what a plain launch spreads them to (1 or 2 where the grid fits; else no cap).
+template <class K>
+cudaError_t spread_blocks(K kern, int blocks, int num_sms, size_t* bytes) {
+  const int per_sm = (blocks + num_sms - 1) / num_sms;
+  if (per_sm > 2) return cudaSuccess;
+  int dev = 0, sm_bytes = 0;
+  cudaFuncAttributes fa{};
+  if (cudaError_t e = cudaGetDevice(&dev)) return e;
+  if (cudaError_t e = cudaDeviceGetAttribute(&sm_bytes, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev)) return e;
+  if (cudaError_t e = cudaFuncGetAttributes(&fa, kern)) return e;
+  const long long want = sm_bytes / (per_sm + 1) + 1 - static_cast<long long>(fa.sharedSizeBytes);
+  if (want <= 0) return cudaSuccess;
+  *bytes = static_cast<size_t>(want);
+  return cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(want));
+}
+
 template <class T>
 int launch(const void* x, void* y, const uint8_t* signs, const int8_t* hk, int rows, int n, int k,
            int p2, int num_sms, bool pdl, void* stream, const RotationInput& in) {
@@ -242,8 +261,11 @@ int launch(const void* x, void* y, const uint8_t* signs, const int8_t* hk, int r
     if (slices > k) slices = k;
     auto kern = form == NORMED ? hadamard_rows_kernel<T, NORMED>
                 : form == GATED ? hadamard_rows_kernel<T, GATED> : hadamard_rows_kernel<T, PLAIN>;
-    return launch_pdl(kern, dim3(k, rows), dim3(slices * chunk_threads), 0, stream, pdl, xt, yt, signs, hk, n, k,
-                      __builtin_ctz(p2), chunk_threads, scale, in);
+    size_t spread = 0;
+    if (pdl && form != PLAIN)
+      if (cudaError_t e = spread_blocks(kern, k * rows, num_sms, &spread)) return e;
+    return launch_pdl(kern, dim3(k, rows), dim3(slices * chunk_threads), spread, stream, pdl, xt, yt, signs, hk, n,
+                      k, __builtin_ctz(p2), chunk_threads, scale, in);
   }
   const size_t smem = static_cast<size_t>(n) * sizeof(float);
   if (smem > 48 * 1024) {
