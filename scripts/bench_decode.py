@@ -6,11 +6,11 @@ Variants: `fp16` (the model itself), each `--schemes` KEY=ENTRY (every layer and
 `plan_`). Each is compressed with random codes (speed does not depend on code values) into
 --work, timed by `qpalette bench` with the same options as every other variant, written to
 OUT/bench_KEY.json (a plan is copied to OUT/plan_KEY.json beside it), and its compressed copy is
-deleted. A variant whose OUT/bench_KEY.json exists is skipped, so a run cut short by a time limit
+deleted (--keep: left in W/q_KEY, e.g. for scripts/decode_breakdown.py). A variant whose OUT/bench_KEY.json exists is skipped, so a run cut short by a time limit
 continues where it stopped. OUT has the layout scripts/make_results.py reads.
 
     python scripts/bench_decode.py MODEL --work W --out OUT [--schemes 2bit=tcq-2.0,4bit=nuq-4]
-        [--plans plan_speed230.json,...] [--batch-sizes 1,8] [--ways loop,generate] [--attention sdpa]
+        [--plans plan_speed230.json,...] [--batch-sizes 1,8] [--ways loop,generate] [--attention sdpa] [--keep]
 
 MODEL: a local model folder, or synthetic:CONFIG (e.g. synthetic:llama-3.1-8b: random weights of
 that model's shapes, made once into W/synthetic). Prints loop tok/s and the ratio to fp16.
@@ -58,9 +58,9 @@ def source_model(model: str, work: Path) -> str:
 
 
 def bench_variant(key: str, what: str | None, lm_head: bool, model: str, work: Path, out: Path,
-                  bench_options: dict) -> dict:
+                  bench_options: dict, keep: bool = False) -> dict:
     """Compress (random codes; a finished copy from a cut run is reused), time, write
-    OUT/bench_KEY.json, delete the compressed copy."""
+    OUT/bench_KEY.json, delete the compressed copy unless `keep`."""
     target = model
     if what is not None:
         target = str(work / f"q_{key}")
@@ -70,7 +70,7 @@ def bench_variant(key: str, what: str | None, lm_head: bool, model: str, work: P
         if Path(what).is_file():
             shutil.copyfile(what, out / f"plan_{key}.json")
     result = api.bench(target, json_out=out / f"bench_{key}.json", **bench_options)
-    if what is not None:
+    if what is not None and not keep:
         shutil.rmtree(target)
     return result
 
@@ -103,6 +103,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--attention", choices=ATTENTIONS, default="qpalette",
                     help="of qpalette bench: qpalette's decode attention or transformers' sdpa (every variant)")
+    ap.add_argument("--keep", action="store_true", help="keep the compressed copies (WORK/q_KEY) after timing them")
     args = ap.parse_args(argv)
     try:
         todo = variants(args.schemes, args.plans, lm_head=not args.no_lm_head)
@@ -119,7 +120,7 @@ def main(argv=None) -> int:
             if (args.out / f"bench_{key}.json").is_file():
                 print(f"{key}: measured already ({args.out / f'bench_{key}.json'})", flush=True)
                 continue
-            bench_variant(key, what, lm_head, model, args.work, args.out, options)
+            bench_variant(key, what, lm_head, model, args.work, args.out, options, keep=args.keep)
             print("\n".join(summary(args.out, [key])), flush=True)
     except QpaletteError as e:  # a user's mistake (unknown model or entry, bad plan): one line, no traceback
         print(f"error: {e}", file=sys.stderr)

@@ -73,6 +73,11 @@ def test_a_finished_compressed_copy_is_timed_without_compressing_again(tiny_llam
     assert (tmp_path / "out" / "bench_2bit.json").is_file() and not (tmp_path / "w" / "q_2bit").exists()
 
 
+def test_keep_leaves_the_compressed_copy_for_later_tools(tiny_llama_dir, tmp_path):
+    assert _script().main(_args(tiny_llama_dir, tmp_path, "--schemes", "2bit=tcq-2.0", "--no-lm-head", "--keep")) == 0
+    assert (tmp_path / "w" / "q_2bit" / "qpalette-compress.json").is_file()
+
+
 def test_transformers_attention(tiny_llama_dir, tmp_path):
     assert _script().main(_args(tiny_llama_dir, tmp_path, "--schemes", "", "--attention", "sdpa")) == 0
     assert json.loads((tmp_path / "out" / "bench_fp16.json").read_text())["attention"] == "sdpa"
