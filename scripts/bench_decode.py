@@ -6,11 +6,13 @@ Variants: `fp16` (the model itself), each `--schemes` KEY=ENTRY (every layer and
 `plan_`). Each is compressed with random codes (speed does not depend on code values) into
 --work, timed by `qpalette bench` with the same options as every other variant, written to
 OUT/bench_KEY.json (a plan is copied to OUT/plan_KEY.json beside it), and its compressed copy is
-deleted (--keep: left in W/q_KEY, e.g. for scripts/decode_breakdown.py). A variant whose OUT/bench_KEY.json exists is skipped, so a run cut short by a time limit
-continues where it stopped. OUT has the layout scripts/make_results.py reads.
+deleted (--keep: left in W/q_KEY, e.g. for scripts/decode_breakdown.py). A variant whose
+OUT/bench_KEY.json exists is skipped, so a run cut short by a time limit continues where it stopped.
+OUT has the layout scripts/make_results.py reads.
 
     python scripts/bench_decode.py MODEL --work W --out OUT [--schemes 2bit=tcq-2.0,4bit=nuq-4]
-        [--plans plan_speed230.json,...] [--batch-sizes 1,8] [--ways loop,generate] [--attention sdpa] [--keep]
+        [--plans plan_speed230.json,...] [--batch-sizes 1,8] [--ways loop,generate] [--attention sdpa]
+        [--keep]
 
 MODEL: a local model folder, or synthetic:CONFIG (e.g. synthetic:llama-3.1-8b: random weights of
 that model's shapes, made once into W/synthetic). Prints loop tok/s and the ratio to fp16.
