@@ -143,6 +143,8 @@ constexpr int ROWS_MAX_P2 = 4096;  // 8 elements a thread, at most 512 threads
 constexpr int ROWS_MAX_K = 64;     // segments a thread mixes (a load each)
 
 constexpr int ROWS_THREADS = 512;
+// the rows kernel's static shared memory: z and part (checked in the kernel)
+constexpr int ROWS_STATIC_SMEM = ROWS_MAX_P2 * sizeof(float) + 2 * ROWS_THREADS * sizeof(float4);
 
 // K = 1, one slice: chunk t of this row of rmsnorm(x + x_add) ⊙ norm_w, signs applied, into v;
 // x + x_add written to h_out. Every thread calls it (block_sum: one barrier, `part` its scratch).
@@ -182,6 +184,7 @@ __global__ void __launch_bounds__(ROWS_THREADS) hadamard_rows_kernel(const T* __
                                                                     RotationInput in) {
   __shared__ __align__(16) float z[ROWS_MAX_P2];
   __shared__ __align__(16) float4 part[2 * ROWS_THREADS];
+  static_assert(sizeof(z) + sizeof(part) == ROWS_STATIC_SMEM, "ROWS_STATIC_SMEM");
   pdl_launch_dependents();
   const int seg = blockIdx.x, p2 = 1 << log2p2, slices = blockDim.x / chunk_threads;
   const int s = threadIdx.x / chunk_threads, t = threadIdx.x - s * chunk_threads;
@@ -229,19 +232,26 @@ int launch_pdl(K kern, dim3 grid, dim3 block, size_t smem, void* stream, bool pd
 // the rotation's blocks crowd onto the first freed SMs, 4 a SM, and it runs on a quarter of the GPU
 // (results/kernels_h200/v21/ §3). `*bytes` of dynamic shared memory that the kernel does not use cap
 // the blocks a SM at what a plain launch spreads them to (1 or 2 where the grid fits; else no cap).
-template <class K>
-cudaError_t spread_blocks(K kern, int blocks, int num_sms, size_t* bytes) {
+// The device's figures are read once (current_device) and the kernel's limit raised once a device to
+// the larger of the two sizes: host time counts on the decode path.
+template <class T, int FORM>
+int spread_blocks(int blocks, int num_sms, size_t* bytes) {
   const int per_sm = (blocks + num_sms - 1) / num_sms;
-  if (per_sm > 2) return cudaSuccess;
-  int dev = 0, sm_bytes = 0;
-  cudaFuncAttributes fa{};
-  if (cudaError_t e = cudaGetDevice(&dev)) return e;
-  if (cudaError_t e = cudaDeviceGetAttribute(&sm_bytes, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev)) return e;
-  if (cudaError_t e = cudaFuncGetAttributes(&fa, kern)) return e;
-  const long long want = sm_bytes / (per_sm + 1) + 1 - static_cast<long long>(fa.sharedSizeBytes);
-  if (want <= 0) return cudaSuccess;
-  *bytes = static_cast<size_t>(want);
-  return cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(want));
+  if (per_sm > 2) return OK;
+  DeviceInfo dev;
+  if (int e = current_device(dev)) return e;
+  // a block of the kernel taking `room(c)` more bytes: c of them fit on a SM, c + 1 do not
+  auto room = [&](int c) { return dev.smem_per_sm / (c + 1) + 1 - ROWS_STATIC_SMEM; };
+  if (room(per_sm) <= 0) return OK;
+  static bool attr_set[64];
+  if (!attr_set[dev.index]) {
+    if (cudaError_t e = cudaFuncSetAttribute(hadamard_rows_kernel<T, FORM>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             room(1)))
+      return e;
+    attr_set[dev.index] = true;
+  }
+  *bytes = static_cast<size_t>(room(per_sm));
+  return OK;
 }
 
 template <class T>
@@ -263,7 +273,9 @@ int launch(const void* x, void* y, const uint8_t* signs, const int8_t* hk, int r
                 : form == GATED ? hadamard_rows_kernel<T, GATED> : hadamard_rows_kernel<T, PLAIN>;
     size_t spread = 0;
     if (pdl && form != PLAIN)
-      if (cudaError_t e = spread_blocks(kern, k * rows, num_sms, &spread)) return e;
+      if (int e = form == NORMED ? spread_blocks<T, NORMED>(k * rows, num_sms, &spread)
+                                 : spread_blocks<T, GATED>(k * rows, num_sms, &spread))
+        return e;
     return launch_pdl(kern, dim3(k, rows), dim3(slices * chunk_threads), spread, stream, pdl, xt, yt, signs, hk, n,
                       k, __builtin_ctz(p2), chunk_threads, scale, in);
   }

@@ -55,6 +55,7 @@ inline cudaLaunchAttribute pdl_attribute() {
 struct DeviceInfo {
   int index = 0;
   int smem_optin = 0;  // bytes of shared memory a block may opt in to (0: not read yet)
+  int smem_per_sm = 0;  // bytes of shared memory a SM holds
   int major = 0;
 };
 
@@ -70,6 +71,8 @@ inline int current_device(DeviceInfo& d) {
     DeviceInfo r;
     r.index = index;
     if (cudaError_t e = cudaDeviceGetAttribute(&r.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, index)) return e;
+    if (cudaError_t e = cudaDeviceGetAttribute(&r.smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, index))
+      return e;
     if (cudaError_t e = cudaDeviceGetAttribute(&r.major, cudaDevAttrComputeCapabilityMajor, index)) return e;
     k = r;
   }
