@@ -92,13 +92,22 @@ def _decode_attention_cuda(q, k, v, mask, scale):
     dev = q.device
     with torch.cuda.device(dev):
         return kernel_build.extension(dev).decode_attention(
-            q.contiguous(), k, v, None if mask is None else mask.contiguous(), scale, _stream(dev), _num_sms(dev),
+            q.contiguous(), k, v, _mask_rows(mask), scale, _stream(dev), _num_sms(dev),
             _pdl_on(dev))
 
 
 @decode_attention.register_fake
 def _(q, k, v, mask, scale):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def _mask_rows(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The mask as the kernel reads it: rows with unit stride, any batch stride. transformers' sdpa
+    mask is one row expanded over the batch (stride 0); `.contiguous()` of it was a copy kernel a
+    layer of every decode step at batch > 1."""
+    if mask is None or mask.stride(-1) == 1 or mask.shape[-1] == 1:
+        return mask
+    return mask.contiguous()
 
 
 def packed_sdpa(q, k, v, mask, scale):
@@ -173,7 +182,7 @@ def _rope_cache_attention_cuda(q, k_new, v_new, cos, sin, key_cache, value_cache
     with torch.cuda.device(dev):
         return kernel_build.extension(dev).rope_cache_attention(
             q, k_new, v_new, cos, sin, key_cache, value_cache, slot,
-            None if mask is None else mask.contiguous(), scale, _stream(dev), _num_sms(dev), _pdl_on(dev))
+            _mask_rows(mask), scale, _stream(dev), _num_sms(dev), _pdl_on(dev))
 
 
 @rope_cache_attention.register_fake

@@ -148,6 +148,49 @@ def test_kernel_build_failure_falls_back_to_sdpa(monkeypatch):
     assert not mod._kernels_built(torch.device("cuda", 0)) and len(tries) == 1
 
 
+def test_mask_rows_keeps_a_batch_stride_and_copies_only_strided_rows():
+    """transformers' sdpa mask is one row expanded over the batch: handed to the kernel as it is (no
+    copy a layer); only rows whose keys are not adjacent are copied."""
+    from qpalette.runtime.decode_attention import _mask_rows
+
+    row = torch.rand(1, 80) < 0.5
+    expanded = row.expand(8, 80)
+    assert _mask_rows(expanded) is expanded and _mask_rows(None) is None
+    strided = (torch.rand(3, 160) < 0.5)[:, ::2]
+    rows = _mask_rows(strided)
+    assert rows.is_contiguous() and torch.equal(rows, strided)
+
+
+@pytest.mark.gpu
+def test_kernels_read_a_mask_with_its_own_batch_stride():
+    """A mask expanded over the batch (stride 0) or cut from a wider buffer (stride > L): both
+    kernels give the reference's output, in one kernel launch (no copy of the mask)."""
+    _cuda()
+    from torch.profiler import ProfilerActivity, profile
+
+    from qpalette.runtime.decode_attention import rope_cache_attention, rope_cache_reference
+
+    b, h, kv, length, d = 8, 32, 8, 80, 128
+    q, k, v, _ = _inputs(b, h, kv, length, d, torch.float16, "cuda", "none")
+    row = torch.rand(1, length, device="cuda") < 0.7
+    row[:, -1] = True
+    wide = torch.rand(b, length + 7, device="cuda") < 0.7
+    wide[:, length - 1] = True
+    for what, m in (("expanded", row.expand(b, length)), ("wider rows", wide[:, :length])):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            got = decode_attention(q, k, v, m, 0.1)
+            torch.cuda.synchronize()
+        kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        assert len(kernels) == 1, f"{what}: {kernels}"
+        torch.testing.assert_close(got.float(), reference(q, k, v, m.contiguous(), 0.1).float(), rtol=2e-3,
+                                   atol=2e-3, msg=lambda s: f"{what}: {s}")
+        args = _rope_inputs(b, h, kv, length, d, torch.float16, "cuda", "none", slot=length - 1)
+        mine, theirs = list(args[:8]), [a.clone() for a in args[:8]]
+        got = rope_cache_attention(*mine, m, 0.1)
+        want = rope_cache_reference(*theirs, m.contiguous(), 0.1)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=2e-3, msg=lambda s: f"{what} rope: {s}")
+
+
 # ---- rope_cache_attention: rope and the cache update in the attention ---------------------------
 
 def _rope_inputs(b, h, kv, length, d, dtype=torch.float32, device="cpu", mask="bool", shared_cos=False, seed=0,

@@ -315,14 +315,17 @@ qp::DecodeAttentionArgs attention_args(const at::Tensor& k, const at::Tensor& v,
   a.kv_heads = static_cast<int>(k.size(1));
   a.length = static_cast<int>(k.size(2));
   if (mask.has_value()) {
-    check_cuda(*mask, "mask");
+    // a batch stride of its own: transformers' sdpa_mask expands one mask row over the batch
+    // (stride 0), which the kernel reads as it is instead of a copy a layer
+    TORCH_CHECK(mask->is_cuda(), "mask must be a CUDA tensor");
     TORCH_CHECK(mask->dim() == 2 && (mask->size(0) == 1 || mask->size(0) == batch) && mask->size(1) == k.size(2),
                 "mask must be (B or 1, L)");
+    TORCH_CHECK(mask->stride(1) == 1 || mask->size(1) == 1, "mask rows must be contiguous");
     TORCH_CHECK(mask->scalar_type() == at::kBool || mask->scalar_type() == like.scalar_type(),
                 "mask must be bool or q's dtype");
     a.mask = mask->data_ptr();
     a.mask_kind = mask->scalar_type() == at::kBool ? qp::MASK_BOOL : qp::MASK_ADDITIVE;
-    a.mask_batch_stride = mask->size(0) == 1 ? 0 : mask->size(1);
+    a.mask_batch_stride = mask->size(0) == 1 ? 0 : mask->stride(0);
   }
   a.k = k.data_ptr();
   a.v = v.data_ptr();
