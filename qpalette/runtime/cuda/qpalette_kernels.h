@@ -112,7 +112,8 @@ int viterbi(const ViterbiArgs& a);
 // Decode attention, one query token (decode_attention.cu): out (B, H, D) = softmax(scale · q Kᵀ + mask) V
 // per head, query head h reading KV head h / (H / KV). q (B, H, D); k, v (B, KV, length, D)
 // contiguous, 16-byte aligned; mask (B or 1, length): none, bool (false: not seen) or additive in
-// dtype, rows mask_batch_stride elements apart (0: one row for the batch, also an expanded one). D = 64 or 128, H / KV ≤ 8, else UNSUPPORTED.
+// dtype, rows mask_batch_stride elements apart (0: one row for the batch, also an expanded one).
+// D = 64 or 128, H / KV ≤ 8, else UNSUPPORTED.
 // `partial`: float32 scratch of B·KV·splits·(H/KV)·(D+2), splits = decode_attention_splits(…), where
 // the splits merge through global memory (not decode_attention_clustered(…)).
 enum MaskKind : int { MASK_NONE = 0, MASK_BOOL = 1, MASK_ADDITIVE = 2 };
