@@ -316,7 +316,6 @@ def test_hadamard_kernel_forms_its_input(ext, n, dtype):
                                stream, sms, True, True, None, 0.0, None, None) is None
 
 
-
 def test_hadamard_formed_rejects_inconsistent_inputs(ext):
     """hadamard_formed's argument checks: a residual needs h_out and a norm (and h_out a residual),
     gated and normed together, an odd gated width and a wrongly shaped residual are errors, not
@@ -344,6 +343,7 @@ def test_hadamard_formed_rejects_inconsistent_inputs(ext):
         with pytest.raises(RuntimeError):
             formed(xi, gated, norm)
             pytest.fail(what)
+
 
 def _layer(name, rows, cols, gen):
     stored, tensors = random_tensors(name, rows, cols, gen)
