@@ -7,18 +7,20 @@
 // once (measured on an H100, results/decode_attention_h100/README.md). Here the G query heads of a KV head
 // share every key and value load, and the length is split over enough CTAs to fill the GPU.
 //
-// decode_attention_kernel: grid (splits, B·KV), 4 warps. Warp w takes keys in blocks of 32, one key
-// a lane: the block's value rows start copying to shared memory (cp.async) while each lane loads its
-// whole key row and takes its dot products with the G queries (held in shared memory, pre-scaled),
-// the mask, an online softmax per query over the warp; then the values: lane ℓ owns dims ℓ·D/32..,
-// the 32 probabilities come by shuffle. The 4 warps' (max, sum, acc) merge in shared memory; with one
-// split that is the output. With 2–8 splits in one wave (a CTA an SM) on a GPU with thread-block
-// clusters (Hopper), the splits of one (b, kv) form a cluster: each CTA leaves its partial (acc, max,
-// sum) in its shared memory and the CTAs merge them through distributed shared memory, each writing
-// a share of the output, so the kernel is the last of the layer's attention and lets the next one
-// start early. Else (more splits or CTAs than SMs, or no clusters) a partial per (b, kv, split, g)
-// goes to global memory and decode_attention_combine merges the splits. H100, 8B heads, batch 1:
-// 9.6 → 9.1 µs at 132 keys, 12.2 → 10.6 µs at 1024 (results/decode_attention_h100/). Fully masked: 0.
+// decode_attention_kernel: grid (splits, B·KV), 4 warps. Warp w takes keys in blocks of 32: the
+// block's value rows start copying to shared memory (cp.async) while its key rows load into
+// registers; scores and values then run on the tensor cores (block_scores, block_values: Q·Kᵀ and
+// P·V as mma.m16n8k16 with the G queries as rows), with the mask and an online softmax per query
+// between. At 80 keys that is ~1.4k instructions a warp, where the per-lane form (a key a lane, fp32
+// dot products, probabilities by shuffle) issued ~2.8k (H200, results/kernels_h200/v24/).
+// The 4 warps' (max, sum, acc) merge in shared memory; with one split that is the output. With 2–8
+// splits in one wave (a CTA an SM) on a GPU with thread-block clusters (Hopper), the splits of one
+// (b, kv) form a cluster: each CTA leaves its partial (acc, max, sum) in its shared memory and the
+// CTAs merge them through distributed shared memory, each writing a share of the output, so the
+// kernel is the last of the layer's attention and lets the next one start early. Else (more splits
+// or CTAs than SMs, or no clusters) a partial per (b, kv, split, g) goes to global memory and
+// decode_attention_combine merges the splits. H100, 8B heads, batch 1: 9.6 → 9.1 µs at 132 keys,
+// 12.2 → 10.6 µs at 1024 (results/decode_attention_h100/). Fully masked: 0.
 // rope_cache_attention (a.cos set): q, k_new, v_new are the new token's projections before rope. Each
 // CTA ropes its G queries; the CTA whose keys hold the new token's slot ropes the new key, writes it
 // and the new value to the caches and uses them from shared memory and from v_new (its own loads of
@@ -36,33 +38,13 @@
 #include "qpalette_fwht.cuh"  // Cvt: fp16/bf16 ↔ float
 #include "qpalette_hopper.cuh"
 #include "qpalette_kernels.h"
+#include "qpalette_mma.cuh"
 
 namespace qp {
 namespace {
 
 constexpr int WARPS = 4;
 constexpr unsigned FULL = 0xffffffffu;
-
-template <class T>
-__device__ __forceinline__ float2 pair_to_float2(unsigned w);
-template <>
-__device__ __forceinline__ float2 pair_to_float2<__half>(unsigned w) {
-  return __half22float2(*reinterpret_cast<const __half2*>(&w));
-}
-template <>
-__device__ __forceinline__ float2 pair_to_float2<__nv_bfloat16>(unsigned w) {
-  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
-}
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL, v, o));
-  return v;
-}
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL, v, o);
-  return v;
-}
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const unsigned at = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -112,23 +94,169 @@ __device__ __forceinline__ void merge_cluster(const DecodeAttentionArgs& a, floa
   cluster_sync();
 }
 
+// The warps' partials merged: the weights of each query's warps first (threads g < G), then every
+// output a weighted sum. With one split that is the output; clustered, this split's partial for
+// merge_cluster; else a partial in global memory for decode_attention_combine. (m, l, o): the warp's
+// running max, sum and P·V of query g = lane / 4, whose dims 8n + 2t, 2t + 1 lane 4g + t holds.
+template <class T, int D, int G>
+__device__ __forceinline__ void merge_warps(const DecodeAttentionArgs& a, unsigned char* pool, float (*red_m)[G],
+                                            float (*red_l)[G], float (*red_w)[G], float (*stat)[2],
+                                            float (*mine)[D + 2], float m, float l, const float (&o)[D / 8][4],
+                                            int b, int bk, int kvh, int splits, bool clustered) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  __syncthreads();  // the staging bytes become the partial sums
+  float(*red_acc)[G][D] = reinterpret_cast<float(*)[G][D]>(pool);
+  if (g < G) {
+    if (t == 0) red_m[warp][g] = m, red_l[warp][g] = l;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+      *reinterpret_cast<float2*>(&red_acc[warp][g][8 * n + 2 * t]) = make_float2(o[n][0], o[n][1]);
+  }
+  __syncthreads();
+  if (threadIdx.x < G) {
+    const int qg = threadIdx.x;
+    float mx = -INFINITY, sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, red_m[w][qg]);
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+      const float wt = red_m[w][qg] == -INFINITY ? 0.f : __expf(red_m[w][qg] - mx);
+      red_w[w][qg] = wt;
+      sum += red_l[w][qg] * wt;
+    }
+    if (splits == 1) {  // the output itself: weights normalized (a query that sees no key: zeros)
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) red_w[w][qg] = sum > 0.f ? red_w[w][qg] / sum : 0.f;
+    }
+    stat[qg][0] = mx, stat[qg][1] = sum;
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
+    const int qg = idx / D, d = idx % D;
+    float out = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) out += red_acc[w][qg][d] * red_w[w][qg];
+    if (splits == 1) {
+      static_cast<T*>(a.out)[(static_cast<long long>(b) * a.heads + kvh * G + qg) * D + d] = Cvt<T>::from_float(out);
+    } else if (clustered) {
+      mine[qg][d] = out;
+      if (d == 0) mine[qg][D] = stat[qg][0], mine[qg][D + 1] = stat[qg][1];
+    } else {
+      float* part = a.partial + ((static_cast<long long>(bk) * splits + blockIdx.x) * G + qg) * (D + 2);
+      part[d] = out;
+      if (d == 0) part[D] = stat[qg][0], part[D + 1] = stat[qg][1];
+    }
+  }
+  if (clustered) merge_cluster<T, D, G>(a, mine, b, kvh, splits);
+}
+
+// A warp's block of 32 keys on the tensor cores (mma.m16n8k16, qpalette_mma.cuh), queries as the
+// 16 rows (G used): scores S = Q·Kᵀ in four 8-key tiles, then O += P·V in 16-key steps. The scores'
+// accumulator layout is the A fragment of P (lane 4·g + t: query g, keys 2t, 2t + 1 of each tile), so
+// P never leaves the registers. The dot products may take the dims in any order that Q and K share:
+// lane t holds dims [t·D/4, (t+1)·D/4) of a key (its own 16-byte loads) and of query g, and k-step s
+// uses its words 2s and 2s + 1. V's B fragments come transposed from the staged rows (ldmatrix),
+// which are stored with their 16-byte pieces swizzled by the row (piece c of row r at c ^ (r mod 8))
+// so that the 8 rows of a matrix fall in different banks. P is rounded to T for the mma, as flash
+// attention does (fp32 softmax and accumulators).
+template <int D>
+__device__ __forceinline__ int staged_piece(int row, int piece) {
+  return row * (D / 8) + (piece ^ (row & 7));
+}
+
+// Q·Kᵀ of a warp's 32-key block: s[j][e] = scale · q_g · key(8j + 2t + e) + bias[j][e] (lane 4g + t;
+// s[j][2..3] are the unused rows g + 8). qa: query g's quarter of the dims; kq[j]: key 8j + g's.
+template <class T, int STEPS, int QUARTER>
+__device__ __forceinline__ void block_scores(float (&s)[4][4], const uint32_t (&qa)[2 * STEPS],
+                                             const uint4 (&kq)[4][QUARTER], const float (&bias)[4][2], float scale) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+  for (int st = 0; st < STEPS; ++st) {
+    const uint32_t af[4] = {qa[2 * st], 0u, qa[2 * st + 1], 0u};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t* w = reinterpret_cast<const uint32_t*>(&kq[j][0]);
+      mma_16816<T>(s[j], af, w[2 * st], w[2 * st + 1]);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) s[j][e] = s[j][e] * scale + bias[j][e];
+}
+
+// The online softmax of query g over a block: its running max m (the same in its 4 lanes), this
+// lane's share l of the sum and O rescaled; the keys' weights as P's A fragments (k-steps of 16 keys:
+// tile 2u gives keys 2t, 2t + 1, tile 2u + 1 keys 2t + 8, 2t + 9).
+template <class T, int TILES>
+__device__ __forceinline__ void block_softmax(const float (&s)[4][4], float& m, float& l, float (&o)[TILES][4],
+                                              uint32_t (&pa)[2][4]) {
+  float mx = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) mx = fmaxf(mx, fmaxf(s[j][0], s[j][1]));
+  mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 2));
+  const float m_new = fmaxf(m, mx);
+  const float alpha = m_new == -INFINITY ? 1.f : __expf(m - m_new);
+  m = m_new;
+  float p[4][2];
+  l *= alpha;
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      p[j][e] = m_new == -INFINITY ? 0.f : __expf(s[j][e] - m_new);
+      l += p[j][e];
+    }
+#pragma unroll
+  for (int n = 0; n < TILES; ++n) o[n][0] *= alpha, o[n][1] *= alpha;
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    pa[u][0] = pack2<T>(p[2 * u][0], p[2 * u][1]);
+    pa[u][1] = 0u;
+    pa[u][2] = pack2<T>(p[2 * u + 1][0], p[2 * u + 1][1]);
+    pa[u][3] = 0u;
+  }
+}
+
+// O += P·V over the warp's 32 staged value rows: V's B fragments by ldmatrix (transposed), matrix
+// i = lane / 8 of a load holding keys 16u + 8·(i mod 2) + lane mod 8 and the dims of tile n + i / 2.
+template <class T, int D>
+__device__ __forceinline__ void block_values(float (&o)[D / 8][4], const uint32_t (&pa)[2][4], const T* staged,
+                                             int lane) {
+  const int i = lane / 8;
+#pragma unroll
+  for (int n = 0; n < D / 8; n += 2)
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      uint32_t bv[4];
+      ldmatrix_x4_trans(bv, staged + staged_piece<D>(16 * u + 8 * (i & 1) + lane % 8, n + (i >> 1)) * 8);
+      mma_16816<T>(o[n], pa[u], bv[0], bv[1]);
+      mma_16816<T>(o[n + 1], pa[u], bv[2], bv[3]);
+    }
+}
+
 template <class T, int D, int G>
 __global__ void __launch_bounds__(WARPS * 32) decode_attention_kernel(DecodeAttentionArgs a, int chunk, int splits,
                                                                      bool clustered) {
+  static_assert(G <= 8 && (D == 64 || D == 128), "queries are the mma's rows g < 8; D/4 dims a lane");
   if (splits == 1 || clustered) pdl_launch_dependents();
-  constexpr int PER_LANE = D / 32;  // value dims a lane owns
-  constexpr int ROW_CHUNKS = D / 8;  // 16-byte pieces of a key or value row
+  constexpr int ROW_CHUNKS = D / 8;   // 16-byte pieces of a key or value row
+  constexpr int QUARTER = D / 32;     // 16-byte pieces of a lane's quarter of a row
+  constexpr int STEPS = D / 16;       // k-steps of Q·Kᵀ
+  constexpr int TILES = D / 8;        // 8-dim tiles of O
   // a warp's 32 value rows, staged while its scores are computed; after the loop the same bytes
   // hold the warps' partial sums
   constexpr int STAGE_BYTES = WARPS * 32 * D * static_cast<int>(sizeof(T));
   constexpr int SUM_BYTES = WARPS * G * D * static_cast<int>(sizeof(float));
   __shared__ __align__(16) unsigned char pool[STAGE_BYTES > SUM_BYTES ? STAGE_BYTES : SUM_BYTES];
-  __shared__ __align__(16) float qs[G][D];
-  __shared__ float red_m[WARPS][G], red_l[WARPS][G];
+  __shared__ __align__(16) T qs[G][D];
+  __shared__ float red_m[WARPS][G], red_l[WARPS][G], red_w[WARPS][G], red_stat[G][2];
   __shared__ __align__(16) T knew[D];  // rope: the new token's roped key
   __shared__ float mine[G][D + 2];      // clustered: this split's partial (acc, max, sum), read by the cluster
   const int bk = blockIdx.y, b = bk / a.kv_heads, kvh = bk % a.kv_heads;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   T* staged = reinterpret_cast<T*>(pool) + warp * 32 * D;
   const T* q = static_cast<const T*>(a.q) + b * a.q_stride + kvh * G * D;
   const long long head = static_cast<long long>(bk) * a.length * D;
@@ -139,32 +267,44 @@ __global__ void __launch_bounds__(WARPS * 32) decode_attention_kernel(DecodeAtte
   const bool rope = a.cos != nullptr;
   const long long slot = rope ? *a.slot : -1;  // the new token's row (rope), else none
   const T* vnew = rope ? static_cast<const T*>(a.v_new) + b * a.new_stride + kvh * D : nullptr;
-  // a block's value rows start copying to shared memory, its key rows and mask terms to registers
-  // (`cached_only`: not the new token's row, whose value v_new the previous kernel writes)
+  // a block's value rows start copying to shared memory, rows past the end are zeroed (their weight
+  // is 0, and 0 · NaN would not be); `cached_only`: not the new token's row, whose value v_new the
+  // previous kernel writes
   auto stage_values = [&](int base, bool cached_only) {
-    const int n = min(32, end - base);
-    for (int c = lane; c < n * ROW_CHUNKS; c += 32) {
-      const long long row = base + c / ROW_CHUNKS;
-      const int piece = (c % ROW_CHUNKS) * 8;
-      if (row != slot) cp_async16(staged + c * 8, values + row * D + piece);
-      else if (!cached_only) cp_async16(staged + c * 8, vnew + piece);
+    for (int c = lane; c < 32 * ROW_CHUNKS; c += 32) {
+      const int r = c / ROW_CHUNKS, piece = c % ROW_CHUNKS;
+      const long long row = base + r;
+      T* dst = staged + staged_piece<D>(r, piece) * 8;
+      if (row >= end) *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
+      else if (row != slot) cp_async16(dst, values + row * D + piece * 8);
+      else if (!cached_only) cp_async16(dst, vnew + piece * 8);
     }
   };
-  uint4 u[ROW_CHUNKS];
-  float bias = 0.f;
+  uint4 kq[4][QUARTER];  // key tile j: row base + 8j + g, lane t's quarter
+  float bias[4][2];       // mask terms of the keys whose scores this lane holds: base + 8j + 2t + e
   // the new token's key comes from knew (once staged: `fresh`), not from the row being written
   auto load_keys = [&](int base, bool fresh) {
-    const int j = base + lane;
-    if (j < end) {
-      const uint4* row = reinterpret_cast<const uint4*>(keys + static_cast<long long>(j) * D);
-      if (j != slot) {
 #pragma unroll
-        for (int c = 0; c < ROW_CHUNKS; ++c) u[c] = __ldg(row + c);
-      } else if (fresh) {
+    for (int j = 0; j < 4; ++j) {
+      const int key = base + 8 * j + g;
+      if (key < end) {
+        const uint4* row = reinterpret_cast<const uint4*>(keys + static_cast<long long>(key) * D) + t * QUARTER;
+        if (key != slot) {
 #pragma unroll
-        for (int c = 0; c < ROW_CHUNKS; ++c) u[c] = reinterpret_cast<const uint4*>(knew)[c];
+          for (int c = 0; c < QUARTER; ++c) kq[j][c] = __ldg(row + c);
+        } else if (fresh) {
+#pragma unroll
+          for (int c = 0; c < QUARTER; ++c) kq[j][c] = reinterpret_cast<const uint4*>(knew)[t * QUARTER + c];
+        }
+      } else {  // past the end: zeros, so that its score is −∞ (bias) and not NaN from stale registers
+#pragma unroll
+        for (int c = 0; c < QUARTER; ++c) kq[j][c] = make_uint4(0u, 0u, 0u, 0u);
       }
-      bias = mask_term<T>(a, b, j);
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int k2 = base + 8 * j + 2 * t + e;
+        bias[j][e] = k2 < end ? mask_term<T>(a, b, k2) : -INFINITY;
+      }
     }
   };
   int base = begin + warp * 32;
@@ -180,11 +320,12 @@ __global__ void __launch_bounds__(WARPS * 32) decode_attention_kernel(DecodeAtte
   if (rope) {
     pdl_wait();  // q, k_new and v_new are the previous kernel's output
     if (slot >= base && slot < min(base + 32, end))  // the new token's value row, in the first block
-      for (int c = lane; c < ROW_CHUNKS; c += 32) cp_async16(staged + ((slot - base) * ROW_CHUNKS + c) * 8, vnew + c * 8);
+      for (int c = lane; c < ROW_CHUNKS; c += 32)
+        cp_async16(staged + staged_piece<D>(static_cast<int>(slot - base), c) * 8, vnew + c * 8);
     const T* cs = static_cast<const T*>(a.cos) + b * a.cos_stride;
     const T* sn = static_cast<const T*>(a.sin) + b * a.cos_stride;
     for (int i = threadIdx.x; i < G * D; i += blockDim.x)
-      qs[i / D][i % D] = Cvt<T>::to_float(roped<T, D>(q + (i / D) * D, cs, sn, i % D)) * a.scale;
+      qs[i / D][i % D] = roped<T, D>(q + (i / D) * D, cs, sn, i % D);
     if (slot >= begin && slot < end) {  // this CTA's keys hold the new token
       const T* k_new = static_cast<const T*>(a.k_new) + b * a.new_stride + kvh * D;
       for (int d = threadIdx.x; d < D; d += blockDim.x) {
@@ -194,112 +335,37 @@ __global__ void __launch_bounds__(WARPS * 32) decode_attention_kernel(DecodeAtte
       }
     }
   } else {
-    for (int i = threadIdx.x; i < G * D; i += blockDim.x) qs[i / D][i % D] = Cvt<T>::to_float(q[i]) * a.scale;
+    for (int i = threadIdx.x; i < G * D; i += blockDim.x) qs[i / D][i % D] = q[i];
   }
   __syncthreads();
-  if (base < end && base + lane == slot) load_keys(base, true);
-  float m[G], l[G], acc[G][PER_LANE];
+  if (base < end && slot >= base && slot < base + 32 && (slot - base) % 8 == g) load_keys(base, true);
+  uint32_t qa[2 * STEPS];  // query g's quarter (lane t), words 2s, 2s + 1 of k-step s; rows ≥ G are 0
 #pragma unroll
-  for (int g = 0; g < G; ++g) {
-    m[g] = -INFINITY;
-    l[g] = 0.f;
-#pragma unroll
-    for (int i = 0; i < PER_LANE; ++i) acc[g][i] = 0.f;
+  for (int c = 0; c < QUARTER; ++c) {
+    const uint4* row = reinterpret_cast<const uint4*>(qs[g < G ? g : 0]) + t * QUARTER;
+    const uint4 w = g < G ? row[c] : make_uint4(0u, 0u, 0u, 0u);
+    qa[4 * c] = w.x, qa[4 * c + 1] = w.y, qa[4 * c + 2] = w.z, qa[4 * c + 3] = w.w;
   }
+  float m = -INFINITY, l = 0.f;  // query g's running max, and this lane's share of its sum
+  float o[TILES][4];              // O = P·V: query g, dims 8n + 2t, 2t + 1 (o[n][2..3]: rows g + 8, unused)
+#pragma unroll
+  for (int n = 0; n < TILES; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
   for (; base < end; base += WARPS * 32) {
-    const int n = min(32, end - base);
-    float s[G];
-    if (base + lane < end) {
-      float s2[G];  // two partial sums a query: half the dependent chain
-#pragma unroll
-      for (int g = 0; g < G; ++g) s[g] = 0.f, s2[g] = 0.f;
-#pragma unroll
-      for (int c = 0; c < ROW_CHUNKS; ++c) {
-        const float2 f0 = pair_to_float2<T>(u[c].x), f1 = pair_to_float2<T>(u[c].y);
-        const float2 f2 = pair_to_float2<T>(u[c].z), f3 = pair_to_float2<T>(u[c].w);
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-          const float4 qa = *reinterpret_cast<const float4*>(&qs[g][c * 8]);
-          const float4 qb = *reinterpret_cast<const float4*>(&qs[g][c * 8 + 4]);
-          float& t = c & 1 ? s2[g] : s[g];
-          t += qa.x * f0.x + qa.y * f0.y + qa.z * f1.x + qa.w * f1.y + qb.x * f2.x + qb.y * f2.y + qb.z * f3.x +
-               qb.w * f3.y;
-        }
-      }
-#pragma unroll
-      for (int g = 0; g < G; ++g) s[g] += s2[g] + bias;
-    } else {
-#pragma unroll
-      for (int g = 0; g < G; ++g) s[g] = -INFINITY;
-    }
-    if (base + WARPS * 32 < end) load_keys(base + WARPS * 32, true);  // the next block's keys during this one's values
-#pragma unroll
-    for (int g = 0; g < G; ++g) {  // online softmax; s[g] becomes this key's weight
-      const float m_new = fmaxf(m[g], warp_max(s[g]));
-      const float alpha = m_new == -INFINITY ? 1.f : __expf(m[g] - m_new);
-      s[g] = m_new == -INFINITY ? 0.f : __expf(s[g] - m_new);
-      l[g] = l[g] * alpha + warp_sum(s[g]);
-      m[g] = m_new;
-#pragma unroll
-      for (int i = 0; i < PER_LANE; ++i) acc[g][i] *= alpha;
-    }
+    const int next = base + WARPS * 32;
+    float s[4][4];
+    block_scores<T, STEPS, QUARTER>(s, qa, kq, bias, a.scale);
+    if (next < end) load_keys(next, true);  // the next block's keys during this one's values
+    uint32_t pa[2][4];
+    block_softmax<T, TILES>(s, m, l, o, pa);
     cp_async_wait_all();
     __syncwarp();
-#pragma unroll 8
-    for (int kk = 0; kk < n; ++kk) {
-      const T* vrow = staged + kk * D + lane * PER_LANE;
-      float v[PER_LANE];
-      if constexpr (PER_LANE == 4) {
-        const uint2 w = *reinterpret_cast<const uint2*>(vrow);
-        const float2 v0 = pair_to_float2<T>(w.x), v1 = pair_to_float2<T>(w.y);
-        v[0] = v0.x, v[1] = v0.y, v[2] = v1.x, v[3] = v1.y;
-      } else {
-        const float2 v0 = pair_to_float2<T>(*reinterpret_cast<const unsigned*>(vrow));
-        v[0] = v0.x, v[1] = v0.y;
-      }
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        const float p = __shfl_sync(FULL, s[g], kk);
-#pragma unroll
-        for (int i = 0; i < PER_LANE; ++i) acc[g][i] += p * v[i];
-      }
-    }
+    block_values<T, D>(o, pa, staged, lane);
     __syncwarp();  // every lane done with the staged rows before the next block's copies
-    if (base + WARPS * 32 < end) stage_values(base + WARPS * 32, false);
+    if (next < end) stage_values(next, false);
   }
-  __syncthreads();  // the staging bytes become the partial sums
-  float(*red_acc)[G][D] = reinterpret_cast<float(*)[G][D]>(pool);
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    if (lane == 0) red_m[warp][g] = m[g], red_l[warp][g] = l[g];
-#pragma unroll
-    for (int i = 0; i < PER_LANE; ++i) red_acc[warp][g][lane * PER_LANE + i] = acc[g][i];
-  }
-  __syncthreads();
-  for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
-    const int g = idx / D, d = idx % D;
-    float mx = -INFINITY, sum = 0.f, out = 0.f;
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, red_m[w][g]);
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) {
-      const float wt = red_m[w][g] == -INFINITY ? 0.f : __expf(red_m[w][g] - mx);
-      sum += red_l[w][g] * wt;
-      out += red_acc[w][g][d] * wt;
-    }
-    if (splits == 1) {
-      T* o = static_cast<T*>(a.out) + (static_cast<long long>(b) * a.heads + kvh * G + g) * D;
-      o[d] = Cvt<T>::from_float(sum > 0.f ? out / sum : 0.f);
-    } else if (clustered) {
-      mine[g][d] = out;
-      if (d == 0) mine[g][D] = mx, mine[g][D + 1] = sum;
-    } else {
-      float* part = a.partial + ((static_cast<long long>(bk) * splits + blockIdx.x) * G + g) * (D + 2);
-      part[d] = out;
-      if (d == 0) part[D] = mx, part[D + 1] = sum;
-    }
-  }
-  if (clustered) merge_cluster<T, D, G>(a, mine, b, kvh, splits);
+  l += __shfl_xor_sync(FULL, l, 1);
+  l += __shfl_xor_sync(FULL, l, 2);
+  merge_warps<T, D, G>(a, pool, red_m, red_l, red_w, red_stat, mine, m, l, o, b, bk, kvh, splits, clustered);
 }
 
 // One block per (b, h), one thread per dim: the splits' partials of decode_attention_kernel merged.
@@ -367,7 +433,10 @@ int launch_dims(const DecodeAttentionArgs& a, int groups) {
 
 int decode_attention_splits(int batch, int kv_heads, int length, int num_sms) {
   const int pairs = batch * kv_heads;
-  int splits = (2 * num_sms + pairs - 1) / pairs;      // about two CTAs an SM
+  // at most two CTAs an SM, which the kernel's registers allow (229 at D = 128): rounded up, the
+  // count left CTAs for a second wave (batch 8, 1024 keys: 5 splits, 320 CTAs, 26.2 µs against the
+  // per-lane kernel's 24.4 at three an SM; results/kernels_h200/v24/)
+  int splits = 2 * num_sms / pairs;
   const int most = (length + DECODE_ATTENTION_MIN_CHUNK - 1) / DECODE_ATTENTION_MIN_CHUNK;
   if (splits > most) splits = most;
   if (splits < 1) return 1;

@@ -43,6 +43,7 @@
 #include "qpalette_hopper.cuh"
 #include "qpalette_kernels.h"
 #include "qpalette_lanes.cuh"
+#include "qpalette_mma.cuh"
 
 namespace qp {
 
@@ -50,31 +51,6 @@ constexpr int NG = 2;        // groups a warp owns
 constexpr int MAX_WARPS = 16;
 constexpr int MAX_ROWS = 8;  // activation rows of the fused GEMV (the mma's n)
 constexpr int MAX_ROTATION_CLUSTER = 8;  // CTAs sharing the rows' rotation at batch > 1
-
-template <class T>
-struct Act;
-template <>
-struct Act<__half> {
-  static __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-  static __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
-  static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-};
-template <>
-struct Act<__nv_bfloat16> {
-  static __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-  static __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
-  static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-};
 
 struct Segment {
   const uint4* codes;  // (RT, cg, 32·WPG) int32
@@ -201,8 +177,8 @@ __device__ __forceinline__ void group_mma(const uint32_t* c, int lane, const uin
     constexpr int U = decltype(u_const)::value;
     uint32_t a[4];
     D::template tile<U>(c, nb, lut, lanebits, a);
-    if constexpr (U % 2) Act<T>::mma(a1, a, bx[U][0], bx[U][1]);
-    else Act<T>::mma(a0, a, bx[U][0], bx[U][1]);
+    if constexpr (U % 2) mma_16816<T>(a1, a, bx[U][0], bx[U][1]);
+    else mma_16816<T>(a0, a, bx[U][0], bx[U][1]);
   };
   one(std::integral_constant<int, 0>{}); one(std::integral_constant<int, 1>{});
   one(std::integral_constant<int, 2>{}); one(std::integral_constant<int, 3>{});
@@ -527,8 +503,8 @@ __device__ __forceinline__ void store_y(const GemvParams& p, int row, const floa
   T* y = reinterpret_cast<T*>(p.y);
   const T* ya = reinterpret_cast<const T*>(p.y_add);
   auto put = [&](long long i, float v) {  // with y_add: rounded, then added and rounded again (torch's y + r)
-    T o = Act<T>::from_float(v);
-    if (ya) o = Act<T>::from_float(Act<T>::to_float(o) + Act<T>::to_float(ya[i]));
+    T o = Cvt<T>::from_float(v);
+    if (ya) o = Cvt<T>::from_float(Cvt<T>::to_float(o) + Cvt<T>::to_float(ya[i]));
     y[i] = o;
   };
   const int ra = row * 16 + (lane >> 2), rb = ra + 8, n0 = 2 * (lane & 3), n1 = n0 + 1;
@@ -739,7 +715,7 @@ __device__ __forceinline__ void gemv_expert_slot(const GemvParams& p) {
     const int cl = blockIdx.x / p.cs;
     const int r0 = split_point(cl, p.rt, p.ncl) * 16, r1 = split_point(cl + 1, p.rt, p.ncl) * 16;
     T* y = reinterpret_cast<T*>(q.y);
-    for (int r = r0 + threadIdx.x; r < r1; r += blockDim.x) y[r] = Act<T>::from_float(0.f);
+    for (int r = r0 + threadIdx.x; r < r1; r += blockDim.x) y[r] = Cvt<T>::from_float(0.f);
     return;
   }
   const long long* e = p.experts + 4 * j;
@@ -792,7 +768,7 @@ __device__ __forceinline__ void dequant_group(const DequantParams& p, const Segm
       const int cc = s.col0 + lt * 16 + 2 * cq + 8 * (k >> 1);
       const float sc = k & 1 ? sb : sa;
       const T* in = reinterpret_cast<const T*>(&a[k]);
-      T v[2] = {Act<T>::from_float(Act<T>::to_float(in[0]) * sc), Act<T>::from_float(Act<T>::to_float(in[1]) * sc)};
+      T v[2] = {Cvt<T>::from_float(Cvt<T>::to_float(in[0]) * sc), Cvt<T>::from_float(Cvt<T>::to_float(in[1]) * sc)};
       *reinterpret_cast<uint32_t*>(out + static_cast<long long>(rr) * p.cols + cc) = *reinterpret_cast<uint32_t*>(v);
     }
   };
