@@ -70,9 +70,9 @@ __device__ __forceinline__ T roped(const T* x, const T* cs, const T* sn, int d) 
   return Cvt<T>::from_float(Cvt<T>::to_float(x[d]) * Cvt<T>::to_float(cs[d]) + r * Cvt<T>::to_float(sn[d]));
 }
 
-// The cluster's partials merged: CTA r writes outputs r, r + splits·blockDim, … of the (b, kv) pair's
-// G·D, reading every CTA's `mine` through distributed shared memory. The second barrier keeps each
-// CTA's shared memory alive until every peer has read it.
+// The cluster's partials merged: of the (b, kv) pair's G·D outputs, thread x of CTA r writes
+// r·blockDim + x, then that plus splits·blockDim, …, reading every CTA's `mine` through distributed
+// shared memory. The second barrier keeps each CTA's shared memory alive until every peer has read it.
 template <class T, int D, int G>
 __device__ __forceinline__ void merge_cluster(const DecodeAttentionArgs& a, float (*mine)[D + 2], int b, int kvh,
                                               int splits) {
@@ -94,7 +94,7 @@ __device__ __forceinline__ void merge_cluster(const DecodeAttentionArgs& a, floa
   cluster_sync();
 }
 
-// The warps' partials merged: the weights of each query's warps first (threads g < G), then every
+// The warps' partials merged: the weights of each query's warps first (threads 0..G−1), then every
 // output a weighted sum. With one split that is the output; clustered, this split's partial for
 // merge_cluster; else a partial in global memory for decode_attention_combine. (m, l, o): the warp's
 // running max, sum and P·V of query g = lane / 4, whose dims 8n + 2t, 2t + 1 lane 4g + t holds.
@@ -220,8 +220,9 @@ __device__ __forceinline__ void block_softmax(const float (&s)[4][4], float& m, 
   }
 }
 
-// O += P·V over the warp's 32 staged value rows: V's B fragments by ldmatrix (transposed), matrix
-// i = lane / 8 of a load holding keys 16u + 8·(i mod 2) + lane mod 8 and the dims of tile n + i / 2.
+// O += P·V over the warp's 32 staged value rows: V's B fragments by ldmatrix (transposed). Matrix i of a
+// load holds keys 16u + 8·(i mod 2) + 0..7 and the dims of tile n + i / 2; lane 8i + r gives the
+// address of its row r.
 template <class T, int D>
 __device__ __forceinline__ void block_values(float (&o)[D / 8][4], const uint32_t (&pa)[2][4], const T* staged,
                                              int lane) {
