@@ -70,6 +70,10 @@ __device__ __forceinline__ T roped(const T* x, const T* cs, const T* sn, int d) 
   return Cvt<T>::from_float(Cvt<T>::to_float(x[d]) * Cvt<T>::to_float(cs[d]) + r * Cvt<T>::to_float(sn[d]));
 }
 
+// The weight of a partial whose max is m when partials merge under their largest max mx (a partial
+// that saw no key: 0). The cluster merge, the warps' merge and the combine kernel share it.
+__device__ __forceinline__ float partial_weight(float m, float mx) { return m == -INFINITY ? 0.f : __expf(m - mx); }
+
 // The cluster's partials merged: of the (b, kv) pair's G·D outputs, thread x of CTA r writes
 // r·blockDim + x, then that plus splits·blockDim, …, reading every CTA's `mine` through distributed
 // shared memory. The second barrier keeps each CTA's shared memory alive until every peer has read it.
@@ -84,7 +88,7 @@ __device__ __forceinline__ void merge_cluster(const DecodeAttentionArgs& a, floa
     for (int s = 0; s < splits; ++s) mx = fmaxf(mx, cluster_peer(&mine[g][0], s)[D]);
     for (int s = 0; s < splits; ++s) {
       const float* part = cluster_peer(&mine[g][0], s);
-      const float wt = part[D] == -INFINITY ? 0.f : __expf(part[D] - mx);
+      const float wt = partial_weight(part[D], mx);
       sum += part[D + 1] * wt;
       out += part[d] * wt;
     }
@@ -120,7 +124,7 @@ __device__ __forceinline__ void merge_warps(const DecodeAttentionArgs& a, unsign
     for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, red_m[w][qg]);
 #pragma unroll
     for (int w = 0; w < WARPS; ++w) {
-      const float wt = red_m[w][qg] == -INFINITY ? 0.f : __expf(red_m[w][qg] - mx);
+      const float wt = partial_weight(red_m[w][qg], mx);
       red_w[w][qg] = wt;
       sum += red_l[w][qg] * wt;
     }
@@ -382,7 +386,7 @@ __global__ void __launch_bounds__(D) decode_attention_combine(DecodeAttentionArg
   float sum = 0.f, out = 0.f;
   for (int s = 0; s < splits; ++s) {
     const float ms = part[s * step + D];
-    const float wt = ms == -INFINITY ? 0.f : __expf(ms - mx);
+    const float wt = partial_weight(ms, mx);
     sum += part[s * step + D + 1] * wt;
     out += part[s * step + d] * wt;
   }
