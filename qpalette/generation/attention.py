@@ -143,8 +143,22 @@ def _rope_attention_forward(self, hidden_states: torch.Tensor, position_embeddin
     rows = [proj(hidden_states)[:, 0] for proj in (self.q_proj, self.k_proj, self.v_proj)]  # (B, width) views
     out = rope_cache_attention(*rows, cos[:, 0], sin[:, 0], keys, values, slot, mask, self.scaling)
     if length is not None:
-        length.add_(1)
+        _advance(self.layer_idx, kwargs.get("past_key_values", kwargs.get("cache")).layers, length)
     return self.o_proj(out.reshape(b, 1, -1)), None
+
+
+def _advance(layer_idx: int, layers, length: torch.Tensor) -> None:
+    """A StaticLayer's length advances after its attention, as transformers' update does. Where every
+    layer of the cache is an initialized StaticLayer of one size, _cache_slot's conditions hold for all
+    layers of the call or for none, so the last layer advances them all at once: compiled on CUDA, one
+    foreach kernel a step where one kernel a layer ran (~0.9 µs each, 32 a Llama-3.1-8B step)."""
+    from transformers.cache_utils import StaticLayer
+
+    size = layers[0].max_cache_len
+    if not all(type(layer) is StaticLayer and layer.is_initialized and layer.max_cache_len == size for layer in layers):
+        length.add_(1)
+    elif layer_idx == len(layers) - 1:
+        torch._foreach_add_([layer.cumulative_length for layer in layers], 1)
 
 
 def on_kernels(x: torch.Tensor) -> bool:

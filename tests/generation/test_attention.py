@@ -338,3 +338,33 @@ def test_rope_attention_in_the_fused_blocks_of_a_quantized_model(tmp_path):
     for mine, theirs in zip(results[True][:2], results[False][:2]):
         assert ((mine - theirs).norm() / theirs.norm()).item() < 1e-2
     assert results[True][2] == results[False][2]
+
+
+def test_static_lengths_advance_once_after_the_last_layer():
+    """A cache of StaticLayers of one size advances every layer's length at the last layer's call
+    (one foreach); any other cache advances each layer's own length at its call."""
+    from transformers.cache_utils import StaticLayer
+
+    from qpalette.generation.attention import _advance
+
+    def layers(*sizes):
+        made = []
+        for size in sizes:
+            layer = StaticLayer(max_cache_len=size)
+            layer.lazy_initialization(torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4))
+            layer.cumulative_length.fill_(5)
+            made.append(layer)
+        return made
+
+    def lengths(made):
+        return [int(layer.cumulative_length) for layer in made]
+
+    same = layers(9, 9, 9)
+    for i in range(2):
+        _advance(i, same, same[i].cumulative_length)
+        assert lengths(same) == [5, 5, 5]
+    _advance(2, same, same[2].cumulative_length)
+    assert lengths(same) == [6, 6, 6]
+    mixed = layers(9, 9, 16)
+    _advance(0, mixed, mixed[0].cumulative_length)
+    assert lengths(mixed) == [6, 5, 5]
