@@ -81,6 +81,23 @@ def steady_state(d, layers):
     return {k: {f: mean(r[f] for r in v) for f in v[0]} for k, v in rows.items() if v}, (t1 - t0) / 1e3
 
 
+def warp_ends(d):
+    """With trace_warps.diff (kind-4 records: warps 1–3 of each attention CTA): the median µs by which
+    each warp's key loop ends after warp 0's, and how often each warp ends last."""
+    w0 = {(r[0], r[4] >> 32 & 0xFFFFFFF, r[4] >> 16 & 0xFFFF): r[3] for r in d["attention"] if r[4] >> 60 == 2}
+    lag, last = {}, {}
+    per_cta = {}
+    for r in d["attention"]:
+        if r[4] >> 60 == 4 and (r[0], r[4] >> 32 & 0xFFFFFFF, r[4] >> 16 & 0xFFFF) in w0:
+            key = (r[0], r[4] >> 32 & 0xFFFFFFF, r[4] >> 16 & 0xFFFF)
+            lag.setdefault(r[4] & 0xF, []).append((r[3] - w0[key]) / 1e3)
+            per_cta.setdefault(key, {0: w0[key]})[r[4] & 0xF] = r[3]
+    for ends in per_cta.values():
+        w = max(ends, key=ends.get)
+        last[w] = last.get(w, 0) + 1
+    return {w: median(v) for w, v in sorted(lag.items())}, last
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("trace")
@@ -92,4 +109,8 @@ if __name__ == "__main__":
           f"{[round(x, 4) for x in d['step_ms']]} ms; means over layers 1–{a.layers - 2}, µs from the predecessor's end")
     for k, v in ss.items():
         print(f"  {k:9s} " + "  ".join(f"{f} {x:.2f}" for f, x in v.items()))
+    if any(r[4] >> 60 == 4 for r in d["attention"]):
+        lags, last = warp_ends(d)
+        print("  attention warps: key loop ends after warp 0's by (median µs)", {w: round(x, 2) for w, x in lags.items()},
+              "; CTAs whose last warp is", last)
     print(json.dumps({"batch": d["batch"], "span_us": span, "steady_state": ss}))
