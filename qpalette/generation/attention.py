@@ -137,17 +137,17 @@ def _rope_attention_forward(self, hidden_states: torch.Tensor, position_embeddin
         return type(self).forward(self, hidden_states, position_embeddings, attention_mask, *args, **kwargs)
     from qpalette.runtime.decode_attention import rope_cache_attention
 
-    keys, values, slot, length, mask = where
+    keys, values, slot, static_layers, mask = where
     b = hidden_states.shape[0]
     cos, sin = position_embeddings
     rows = [proj(hidden_states)[:, 0] for proj in (self.q_proj, self.k_proj, self.v_proj)]  # (B, width) views
     out = rope_cache_attention(*rows, cos[:, 0], sin[:, 0], keys, values, slot, mask, self.scaling)
-    if length is not None:
-        _advance(self.layer_idx, kwargs.get("past_key_values", kwargs.get("cache")).layers, length)
+    if static_layers is not None:
+        _advance(self.layer_idx, static_layers)
     return self.o_proj(out.reshape(b, 1, -1)), None
 
 
-def _advance(layer_idx: int, layers, length: torch.Tensor) -> None:
+def _advance(layer_idx: int, layers) -> None:
     """A StaticLayer's length advances after its attention, as transformers' update does. Where every
     layer of the cache is an initialized StaticLayer of one size, _cache_slot's conditions hold for all
     layers of the call or for none, so the last layer advances them all at once: compiled on CUDA, one
@@ -156,7 +156,7 @@ def _advance(layer_idx: int, layers, length: torch.Tensor) -> None:
 
     size = layers[0].max_cache_len
     if not all(type(layer) is StaticLayer and layer.is_initialized and layer.max_cache_len == size for layer in layers):
-        length.add_(1)
+        layers[layer_idx].cumulative_length.add_(1)
     elif layer_idx == len(layers) - 1:
         torch._foreach_add_([layer.cumulative_length for layer in layers], 1)
 
@@ -167,10 +167,11 @@ def on_kernels(x: torch.Tensor) -> bool:
 
 
 def _cache_slot(attn, x, position_embeddings, attention_mask, args, kwargs):
-    """(keys, values, slot, length to advance or None, mask rows) when this call is one new token a row
+    """(keys, values, slot, the cache's layers or None, mask rows) when this call is one new token a row
     against a static cache that the kernel can write (qpalette's decoder's SlotKVCache at its `write_at`
-    slot, or a transformers StaticLayer at its length, which then advances by one), with this attention
-    implementation, no gradient and no option the kernel lacks; else None (transformers' forward)."""
+    slot, or a transformers StaticLayer at its length, which then advances by one: `_advance`, given the
+    cache's layers; None for a SlotKVCache), with this attention implementation, no gradient and no
+    option the kernel lacks; else None (transformers' forward)."""
     from qpalette.generation.decoder import SlotKVCache
 
     if (args or position_embeddings is None or x.dim() != 3 or x.shape[1] != 1 or not on_kernels(x)
@@ -183,7 +184,7 @@ def _cache_slot(attn, x, position_embeddings, attention_mask, args, kwargs):
         if (idx not in cache.keys or cache.write_at is None or cache.write_at.numel() != 1
                 or cache.write_at.device != cache.keys[idx].device):  # a model split over GPUs: its update moves it
             return None
-        keys, values, slot, length = cache.keys[idx], cache.values[idx], cache.write_at, None
+        keys, values, slot, static_layers = cache.keys[idx], cache.values[idx], cache.write_at, None
     else:
         from transformers.cache_utils import StaticLayer
 
@@ -192,10 +193,10 @@ def _cache_slot(attn, x, position_embeddings, attention_mask, args, kwargs):
         if (type(layer) is not StaticLayer or not layer.is_initialized
                 or getattr(cache, "offloading", False)):
             return None
-        keys, values, slot, length = layer.keys, layer.values, layer.cumulative_length, layer.cumulative_length
+        keys, values, slot, static_layers = layer.keys, layer.values, layer.cumulative_length, layers
     mask = attention_mask
     if mask is not None:
         if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1 or mask.shape[3] != keys.shape[2]:
             return None
         mask = mask[:, 0, 0]
-    return keys, values, slot, length, mask
+    return keys, values, slot, static_layers, mask
