@@ -1,0 +1,40 @@
+import sys
+p=sys.argv[1]+'/qpalette/runtime/cuda/qpalette_gemv.cuh'
+s=open(p).read()
+def rep(old,new):
+    global s
+    assert old in s, old[:80]
+    s=s.replace(old,new)
+rep("""                                                uint64_t hneg, int rrank) {""","""                                                uint64_t hneg, int rrank, unsigned long long* ts) {""")
+# K=1: stamp after forming (before the transform)
+i=s.index("    } else {\n      if (row > 0) __syncthreads();")
+s=s[:i]+"""#ifdef QP_TRACE
+      if (row == 0) ts[0] = ts[1] = trace::now();
+#endif
+"""+s[i:]
+rep("""      __syncthreads();  // z is the transform's buffer next
+    }""","""      __syncthreads();  // z is the transform's buffer next
+#ifdef QP_TRACE
+      if (row == 0) ts[1] = trace::now();
+#endif
+    }""")
+i=s.index("  }\n}\n\n// Rotation cluster:")
+s=s[:i]+"""#ifdef QP_TRACE
+    if (row == 0 || row == rrank) ts[2] = trace::now();
+#endif
+"""+s[i:]
+rep("stage_x_rotated<T, true, PR::FORMS_INPUT>(p, xs, rot, rank, hneg, rrank);","stage_x_rotated<T, true, PR::FORMS_INPUT>(p, xs, rot, rank, hneg, rrank, tss);")
+rep("stage_x_rotated<T, false, PR::FORMS_INPUT>(p, xs, rot, rank, hneg, 0);","stage_x_rotated<T, false, PR::FORMS_INPUT>(p, xs, rot, rank, hneg, 0, tss);")
+rep("""  const unsigned long long tr1 = trace::now();
+#endif
+  if (p.signs) {""","""  const unsigned long long tr1 = trace::now();
+#endif
+  unsigned long long tss[3] = {0, 0, 0};
+  if (p.signs) {""")
+rep("""                      (p.signs ? 1ull << 59 : 0ull) | (p.norm_w ? 1ull << 58 : 0ull) | (p.gated ? 1ull << 57 : 0ull));
+#endif""","""                      (p.signs ? 1ull << 59 : 0ull) | (p.norm_w ? 1ull << 58 : 0ull) | (p.gated ? 1ull << 57 : 0ull));
+  if (threadIdx.x == 0 && p.signs)  // the staging's sub-steps (kind 5): formed (K > 1: staged in z), H_K mixed, transformed
+    trace::record(tr1, tss[0], tss[1], tss[2], 5ull << 60 | static_cast<unsigned long long>(blockIdx.x) << 32 |
+                                                  static_cast<unsigned long long>(p.cs) << 28 | static_cast<unsigned long long>(p.rt));
+#endif""")
+open(p,'w').write(s)
