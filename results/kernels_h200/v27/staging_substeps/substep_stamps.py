@@ -1,4 +1,10 @@
+#!/usr/bin/env python3
+"""Diagnostic: three more %globaltimer stamps in the GEMV's rotated staging (input formed, H_K mixed, transform
+done), recorded from thread 0 as a kind-5 record. Apply ../../v26/trace/trace_warps.diff to a tree first, then:
+    python substep_stamps.py TREE
+and build it with QPALETTE_TRACE=1. Known gap: the K > 1 branch sets only the mix's stamp, not the first."""
 import sys
+
 p=sys.argv[1]+'/qpalette/runtime/cuda/qpalette_gemv.cuh'
 s=open(p).read()
 def rep(old,new):

@@ -1,5 +1,12 @@
-import json,gzip,sys
+#!/usr/bin/env python3
+"""Per-place medians of the kind-5 records (substep_stamps.py) of trace_step.py's last recorded step:
+    python substeps.py trace.json.gz [more.json.gz]
+µs from the CTA passing griddepcontrol.wait to the input formed, then the mix, then the transform."""
+import gzip
+import json
+import sys
 from statistics import median
+
 NAMES={384:"qkv",1792:"gateup",8016:"lm_head"}
 def name(r):
     rt=r[4]&0xFFFFFF; cs=(r[4]>>28)&0xF
