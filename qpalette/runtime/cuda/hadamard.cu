@@ -11,6 +11,9 @@
 // (RotationInput): silu(gate) ⊙ up, or a residual add + RMSNorm (K = 1), so that at batch > 1 a
 // decoder block needs no elementwise kernel before its rotations (runtime/modules.py).
 //
+// hadamard_gated_mma_kernel (silu(gate) ⊙ up with K ≤ 32 where the mix fits the tensor cores): one
+// block per (group of output segments, row) forms the whole row's input once and mixes it by mma.
+//
 // hadamard_segments_kernel (the other shapes, up to n = 32768): one block per (row, slice): the
 // row, sign-flipped, goes to shared memory in fp32; the 2^m-point butterflies run on each of the K segments; then
 // each block writes its slice of the K outputs of every column b.
@@ -211,6 +214,56 @@ __global__ void __launch_bounds__(ROWS_THREADS) hadamard_rows_kernel(const T* __
   fwht_row<T>(v, log2p2, scale, z, y + row * n + static_cast<long long>(seg) * p2, threadIdx.x, s == 0 && t < p2 / 8);
 }
 
+// H_K's row `row` (int8 ±1, k ≤ 64 entries) as −1 bits
+__device__ __forceinline__ uint64_t neg_bits(const int8_t* row, int k) {
+  uint64_t bits = 0;
+  for (int a = 0; a < k; ++a) bits |= static_cast<uint64_t>(__ldg(row + a) < 0) << a;
+  return bits;
+}
+// GATED with K > 1 where the mix fits the tensor cores (gated_mma_config): one block per (group of
+// consecutive output segments, row). The block forms silu(gate) ⊙ up of the whole row once into shared
+// memory, signed and swizzled, mixes its segments on the tensor cores (mix_segments_mma) and runs their
+// 2^m-point transforms side by side. The rows kernel's block per segment formed every chunk it mixed:
+// the row's silu K times over (28 for down), each block reading the whole row from L2.
+template <class T>
+__global__ void __launch_bounds__(ROWS_THREADS) hadamard_gated_mma_kernel(const T* __restrict__ x, T* __restrict__ y,
+                                                                         const uint8_t* __restrict__ signs,
+                                                                         const int8_t* __restrict__ hk, int n, int k,
+                                                                         int log2p2, int group, float scale) {
+  extern __shared__ __align__(16) float zg[];  // the staged row (2n bytes), then the sums and transforms
+  pdl_launch_dependents();
+  const int first = blockIdx.x * group, segs = min(group, k - first), g = (threadIdx.x & 31) >> 2;
+  const uint64_t hka = g < segs ? neg_bits(hk + (first + g) * k, k) : 0ull;  // the lane's A rows, before the wait
+  const uint64_t hkb = g + 8 < segs ? neg_bits(hk + (first + g + 8) * k, k) : 0ull;
+  const long long row = blockIdx.y;
+  const int jj = threadIdx.x >> (log2p2 - 3), t = threadIdx.x - (jj << (log2p2 - 3));
+  const bool active = jj < segs;
+  float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  pdl_wait();
+  stage_signed_row<T, 4, true>(x + row * 2 * n, signs, n / 8, reinterpret_cast<T*>(zg), log2p2 - 3);
+  __syncthreads();
+  mix_segments_mma<T>(zg, hka, hkb, k, segs, log2p2, v, active, jj, t);
+  __syncthreads();  // the transforms' z holds other threads' sums
+  fwht_row<T>(v, log2p2, scale, zg + (jj << log2p2), y + row * n + static_cast<long long>(first + jj << log2p2), t,
+              active);
+}
+// The gated tensor-core mix's launch: blocks a row, H_K rows a block (≤ 16, 2^m / 8 threads each, ≤ 512
+// threads in all), threads a block and shared memory; false where mix_segments_mma does not fit.
+struct GatedMma {
+  int blocks, group, threads;
+  size_t smem;
+};
+inline bool gated_mma_config(int k, int p2, GatedMma& c) {
+  const int seg_threads = p2 / 8;
+  if (k < 2 || p2 < 64 || seg_threads > ROWS_THREADS) return false;
+  const int most = ROWS_THREADS / seg_threads < 16 ? ROWS_THREADS / seg_threads : 16;
+  c.blocks = (k + most - 1) / most;
+  c.group = (k + c.blocks - 1) / c.blocks;
+  c.threads = (c.group * seg_threads + 31) / 32 * 32;
+  const size_t row = size_t(2) * k * p2, sums = size_t(c.group) * (p2 + 8) * sizeof(float);
+  c.smem = row > sums ? row : sums;
+  return mix_fits_tensor_cores(k, c.group, __builtin_ctz(p2), c.threads / 32) && c.smem <= 48 * 1024;
+}
 // launch with programmatic stream serialization where asked for (Hopper)
 template <class K, class... Args>
 int launch_pdl(K kern, dim3 grid, dim3 block, size_t smem, void* stream, bool pdl, Args... args) {
@@ -234,26 +287,26 @@ int launch_pdl(K kern, dim3 grid, dim3 block, size_t smem, void* stream, bool pd
 // the blocks a SM at what a plain launch spreads them to (1 or 2 where the grid fits; else no cap).
 // The device's figures are read once (current_device) and the kernel's limit raised once a device to
 // the larger of the two sizes: host time counts on the decode path.
-template <class T, int FORM>
-int spread_blocks(int blocks, int num_sms, size_t* bytes) {
+// `fixed`: the kernel's static shared memory; `need`: the dynamic bytes it uses (the result is at least
+// that); `attr_set`: the kernel's own flags (the limit is raised once a device)
+template <class K>
+int spread_blocks(K kern, bool (&attr_set)[64], size_t fixed, size_t need, int blocks, int num_sms, size_t* bytes) {
+  *bytes = need;
   const int per_sm = (blocks + num_sms - 1) / num_sms;
   if (per_sm > 2) return OK;
   DeviceInfo dev;
   if (int e = current_device(dev)) return e;
   // a block of the kernel taking `room(c)` more bytes: c of them fit on a SM, c + 1 do not
-  auto room = [&](int c) { return dev.smem_per_sm / (c + 1) + 1 - ROWS_STATIC_SMEM; };
-  if (room(per_sm) <= 0) return OK;
-  static bool attr_set[64];
+  auto room = [&](int c) { return static_cast<long long>(dev.smem_per_sm / (c + 1) + 1) - static_cast<long long>(fixed); };
+  if (room(per_sm) <= static_cast<long long>(need)) return OK;
   if (!attr_set[dev.index]) {
-    if (cudaError_t e = cudaFuncSetAttribute(hadamard_rows_kernel<T, FORM>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             room(1)))
+    if (cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(room(1))))
       return e;
     attr_set[dev.index] = true;
   }
   *bytes = static_cast<size_t>(room(per_sm));
   return OK;
 }
-
 template <class T>
 int launch(const void* x, void* y, const uint8_t* signs, const int8_t* hk, int rows, int n, int k,
            int p2, int num_sms, bool pdl, void* stream, const RotationInput& in) {
@@ -265,6 +318,16 @@ int launch(const void* x, void* y, const uint8_t* signs, const int8_t* hk, int r
   const float scale = rsqrtf(static_cast<float>(n));
   const T* xt = static_cast<const T*>(x);
   T* yt = static_cast<T*>(y);
+  GatedMma gm;
+  if (form == GATED && gated_mma_config(k, p2, gm)) {
+    static bool attr_set[64];
+    size_t smem = gm.smem;
+    if (pdl)
+      if (int e = spread_blocks(hadamard_gated_mma_kernel<T>, attr_set, 0, gm.smem, gm.blocks * rows, num_sms, &smem))
+        return e;
+    return launch_pdl(hadamard_gated_mma_kernel<T>, dim3(gm.blocks, rows), dim3(gm.threads), smem, stream, pdl, xt, yt,
+                      signs, hk, n, k, __builtin_ctz(p2), gm.group, scale);
+  }
   if (by_rows) {
     const int chunk_threads = p2 / 8 < 32 ? 32 : p2 / 8;
     int slices = ROWS_THREADS / chunk_threads;
@@ -272,10 +335,9 @@ int launch(const void* x, void* y, const uint8_t* signs, const int8_t* hk, int r
     auto kern = form == NORMED ? hadamard_rows_kernel<T, NORMED>
                 : form == GATED ? hadamard_rows_kernel<T, GATED> : hadamard_rows_kernel<T, PLAIN>;
     size_t spread = 0;
+    static bool attr_set[3][64];
     if (pdl && form != PLAIN)
-      if (int e = form == NORMED ? spread_blocks<T, NORMED>(k * rows, num_sms, &spread)
-                                 : spread_blocks<T, GATED>(k * rows, num_sms, &spread))
-        return e;
+      if (int e = spread_blocks(kern, attr_set[form], ROWS_STATIC_SMEM, 0, k * rows, num_sms, &spread)) return e;
     return launch_pdl(kern, dim3(k, rows), dim3(slices * chunk_threads), spread, stream, pdl, xt, yt, signs, hk, n,
                       k, __builtin_ctz(p2), chunk_threads, scale, in);
   }

@@ -10,11 +10,15 @@
 // own z and out: t is the thread's index inside its group, and groups start at multiples of n/8
 // lanes (so shuffles stay inside a group). Every thread of the block calls it (one barrier when
 // n > 256); inactive threads hold zeros and write nothing.
+// Also shared: forming a row's input (silu(gate) ⊙ up, RMSNorm, signs) and H_K's mix of a row's K
+// segments (n = K·2^m), on the tensor cores where it fits (mix_segments_mma).
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
+
+#include "qpalette_mma.cuh"
 
 namespace qp {
 
@@ -183,6 +187,115 @@ __device__ __forceinline__ void add_chunk(float (&v)[8], const uint4& raw) {
   const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
   for (int k = 0; k < 8; ++k) v[k] += Cvt<T>::to_float(e[k]);
+}
+
+// A row of K segments of 2^m (chunks of 8 elements), signs applied (exact), into shared memory `raw` in
+// the activation dtype for a K-term mix: GATED reads [gate | up] and stages silu(gate) ⊙ up. U chunks a
+// thread in flight (GATED: two loads each). log2q ≥ 0: chunk c at mix_swizzled(c, log2q) (2^log2q chunks
+// a segment), the layout mix_segments_mma reads.
+__device__ __forceinline__ int mix_swizzled(int c, int log2q) { return c ^ ((c >> log2q) & 7); }
+template <class T, int U, bool GATED>
+__device__ __forceinline__ void stage_signed_row(const T* row, const uint8_t* signs, int chunks, T* raw, int log2q) {
+  const uint4* xr = reinterpret_cast<const uint4*>(row);
+  for (int base = threadIdx.x; base < chunks; base += U * blockDim.x) {
+    uint4 v[U], up[GATED ? U : 1];
+    uint32_t sb[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = base + u * blockDim.x;
+      v[u] = c < chunks ? __ldg(xr + c) : make_uint4(0, 0, 0, 0);
+      if constexpr (GATED) up[u] = c < chunks ? __ldg(xr + chunks + c) : make_uint4(0, 0, 0, 0);
+      sb[u] = c < chunks ? __ldg(signs + c) : 0u;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = base + u * blockDim.x;
+      if (c < chunks) {
+        if constexpr (GATED) v[u] = silu_mul<T>(v[u], up[u]);
+        reinterpret_cast<uint4*>(raw)[log2q >= 0 ? mix_swizzled(c, log2q) : c] = sign_flipped(v[u], sb[u]);
+      }
+    }
+  }
+}
+
+// ---- H_K's mix on the tensor cores (the GEMV's staging and the gated rows kernel) -----------------
+// Segments s < segs of (H_K ⊗ I) r for a block's rows of H_K, r the staged row (stage_signed_row,
+// swizzled): one mma.m16n8k16 per 8 columns and 16 terms, A = the rows of H_K (±1, 0 past K or segs:
+// exact in either 16-bit type), B = r through ldmatrix (the swizzle puts the 8 segments of an 8×8
+// matrix in different banks). Fits when K ≤ 32, segs ≤ 16, 2^m ≥ 64 and each warp holds at most
+// MIX_TILES tiles of 8 columns (their sums cross one barrier). A thread's scalar mix took ~25
+// instructions a term, 28 terms for down's 28·512 (results/kernels_h200/v20/).
+constexpr int MIX_TILES = 5;
+__host__ __device__ constexpr bool mix_fits_tensor_cores(int k, int segs, int log2p2, int warps) {
+  return k <= 32 && segs <= 16 && log2p2 >= 6 && (1 << (log2p2 - 3)) <= MIX_TILES * warps;
+}
+
+template <class T>
+struct PlusOne;
+template <>
+struct PlusOne<__half> {
+  static constexpr uint32_t bits = 0x3C00u;
+};
+template <>
+struct PlusOne<__nv_bfloat16> {
+  static constexpr uint32_t bits = 0x3F80u;
+};
+
+// entries c and c + 1 of an H_K row (bit a of neg: −1; 0 at or past k) as one register of two T
+template <class T>
+__device__ __forceinline__ uint32_t hk_pair(uint64_t neg, int c, int k) {
+  const auto e = [&](int a) { return a < k ? PlusOne<T>::bits | (static_cast<uint32_t>(neg >> a) & 1u) << 15 : 0u; };
+  return e(c) | e(c + 1) << 16;
+}
+
+// v ← chunk t of segment jj (active threads) of the mix. z holds the staged row and then the sums (rows of
+// 2^m + 8 floats: a warp's float2 stores meet no bank twice); hka, hkb: rows g and g + 8 of the block's
+// H_K rows as −1 bits, g = lane / 4 (0 past segs). Every thread calls it (two barriers).
+template <class T>
+__device__ __forceinline__ void mix_segments_mma(float* z, uint64_t hka, uint64_t hkb, int k, int segs, int log2p2,
+                                                 float (&v)[8], bool active, int jj, int t) {
+  const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  const int tiles = 1 << (log2p2 - 3), zs = (1 << log2p2) + 8;
+  const int ka = g < segs ? k : 0, kb = g + 8 < segs ? k : 0;
+  uint32_t a0[4], a1[4];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int c = 16 * h + 2 * tq;
+    uint32_t(&a)[4] = h ? a1 : a0;
+    a[0] = hk_pair<T>(hka, c, ka);
+    a[1] = hk_pair<T>(hkb, c, kb);
+    a[2] = hk_pair<T>(hka, c + 8, ka);
+    a[3] = hk_pair<T>(hkb, c + 8, kb);
+  }
+  // lane l addresses row l (term l) of the four 8×8 matrices: terms 0–15, then 16–31; rows past K
+  // read term 0 (finite) against A's zeros
+  const int term = lane < k ? lane : 0;
+  const uint4* row = reinterpret_cast<const uint4*>(z) + (term << (log2p2 - 3));
+  float c[MIX_TILES][4];
+#pragma unroll
+  for (int i = 0; i < MIX_TILES; ++i) {
+    c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0.f;
+    const int nt = warp + i * warps;
+    if (nt < tiles) {
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, row + (nt ^ (term & 7)));
+      mma_16816<T>(c[i], a0, b[0], b[1]);
+      if (k > 16) mma_16816<T>(c[i], a1, b[2], b[3]);
+    }
+  }
+  __syncthreads();  // every warp has read the staged row: z takes the sums
+#pragma unroll
+  for (int i = 0; i < MIX_TILES; ++i) {
+    const int nt = warp + i * warps, col = 8 * nt + 2 * tq;
+    if (nt < tiles && g < segs) *reinterpret_cast<float2*>(z + g * zs + col) = make_float2(c[i][0], c[i][1]);
+    if (nt < tiles && g + 8 < segs) *reinterpret_cast<float2*>(z + (g + 8) * zs + col) = make_float2(c[i][2], c[i][3]);
+  }
+  __syncthreads();
+  if (active) {
+    const float4* src = reinterpret_cast<const float4*>(z + jj * zs + 8 * t);
+    const float4 lo = src[0], hi = src[1];
+    v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
+  }
 }
 
 // v += Σ_a H_K[seg, a] (s ⊙ x)[a·2^m + 8t + ·] over a = a0, a0 + step, … < K (hk: K·K ±1, unused

@@ -197,6 +197,8 @@ struct Pair {
   static constexpr bool SHARE_ROTATION = !TWO && WMAX <= 12;
   // the staging that forms its input (silu(gate) ⊙ up, add + RMSNorm): the same registers to spare
   static constexpr bool FORMS_INPUT = SHARE_ROTATION;
+  // H_K's mix on the tensor cores (mix_on_tensor_cores)
+  static constexpr bool MIX_MMA = WMAX <= 12;
   // half-TCQ loads a group of either half without a branch (load_group_either), which needs this
   static_assert(!TWO || DB::WPG == DA::WPG + 1, "half-TCQ: the second half's lanes hold one word more");
   static_assert(DA::L::WORDS == DB::L::WORDS && DA::L::C == DB::L::C && DA::L::STRIDE == DB::L::STRIDE,
@@ -365,39 +367,40 @@ __device__ __forceinline__ void stage_x(const GemvParams& p, uint32_t* xs, int r
 // the segments' 2^m-point transforms run side by side. K = 1: each thread loads its own chunk.
 // K > 1: the whole row, signs applied (exact), is first staged in z (2n bytes ≤ z's 8·columns
 // bytes: clusters of at most 4) with all loads in flight, so that the K-term sums read shared
-// memory; `hneg` (bit a: H_K[segment, a] = −1) was read before the wait for the previous kernel.
-// Needs unpadded K (cols = groups · 128).
-__device__ __forceinline__ uint64_t rotation_factor_row(const GemvParams& p, int rank) {
-  const int ccols = p.cgc * 128;
-  const int seg = rank * (ccols >> p.log2p2) + (threadIdx.x >> (p.log2p2 - 3));  // 2^m / 8 threads a segment
-  return p.signs && p.rot_k > 1 && threadIdx.x < ccols / 8 ? __ldg(p.hk_neg + seg) : 0ull;
+// memory; `hk` (bit a: H_K[segment, a] = −1) was read before the wait for the previous kernel.
+// The mix runs on the tensor cores where it fits (mix_segments_mma) and MMA (decoders of at most 12 words
+// a lane: with wider ones, nuq-8, the sums held across its barrier spilled registers in the main loop),
+// else ~25 instructions a term a thread. Needs unpadded K (cols = groups · 128).
+template <bool MMA>
+__device__ __forceinline__ bool mix_on_tensor_cores(const GemvParams& p) {
+  return MMA && p.rot_k > 1 && mix_fits_tensor_cores(p.rot_k, (p.cgc * 128) >> p.log2p2, p.log2p2, p.nw);
 }
 
-// GATED: the row is silu(gate) ⊙ up, two loads a chunk (U = 4 chunks a thread in flight: 8 loads,
-// as many registers as the plain staging's U = 8)
-template <class T, int U, bool GATED>
-__device__ __forceinline__ void stage_signed_row(const GemvParams& p, int row, T* raw) {
-  const int chunks = (p.rot_k << p.log2p2) / 8;
-  const uint4* xr = reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(p.x) + row * p.ldx);
-  for (int base = threadIdx.x; base < chunks; base += U * blockDim.x) {
-    uint4 v[U], up[GATED ? U : 1];
-    uint32_t sb[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = base + u * blockDim.x;
-      v[u] = c < chunks ? __ldg(xr + c) : make_uint4(0, 0, 0, 0);
-      if constexpr (GATED) up[u] = c < chunks ? __ldg(xr + chunks + c) : make_uint4(0, 0, 0, 0);
-      sb[u] = c < chunks ? __ldg(p.signs + c) : 0u;
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = base + u * blockDim.x;
-      if (c < chunks) {
-        if constexpr (GATED) v[u] = silu_mul<T>(v[u], up[u]);
-        reinterpret_cast<uint4*>(raw)[c] = sign_flipped(v[u], sb[u]);
-      }
-    }
+// rows of H_K as −1 bits: the thread's segment's (scalar mix: `a`), or the lane's A-fragment rows g and
+// g + 8 of the CTA's segments (tensor cores: `a`, `b`); zero where there is no such row
+struct HkRows {
+  uint64_t a, b;
+};
+template <bool MMA>
+__device__ __forceinline__ HkRows rotation_factor_rows(const GemvParams& p, int rank) {
+  HkRows r{0ull, 0ull};
+  if (!p.signs || p.rot_k == 1) return r;
+  const int ccols = p.cgc * 128, segs = ccols >> p.log2p2, first = rank * segs;
+  if (mix_on_tensor_cores<MMA>(p)) {
+    const int g = (threadIdx.x & 31) >> 2;
+    if (g < segs) r.a = __ldg(p.hk_neg + first + g);
+    if (g + 8 < segs) r.b = __ldg(p.hk_neg + first + g + 8);
+  } else if (threadIdx.x < ccols / 8) {
+    r.a = __ldg(p.hk_neg + first + (threadIdx.x >> (p.log2p2 - 3)));  // 2^m / 8 threads a segment
   }
+  return r;
+}
+
+// the row staged for the K > 1 mix (stage_signed_row); swizzled for mix_segments_mma
+template <class T, int U, bool GATED>
+__device__ __forceinline__ void stage_signed_row(const GemvParams& p, int row, T* raw, bool swizzled) {
+  stage_signed_row<T, U, GATED>(reinterpret_cast<const T*>(p.x) + row * p.ldx, p.signs, (p.rot_k << p.log2p2) / 8, raw,
+                                swizzled ? p.log2p2 - 3 : -1);
 }
 
 // K = 1 with p.norm_w (the CTA holds the whole row: cs = rs = 1): chunk c of this row of
@@ -418,9 +421,9 @@ __device__ __forceinline__ uint4 normed_chunk(const GemvParams& p, uint4 in, con
 // every CTA the others'. Without SHARE the loop is the plain one (more registers spill otherwise).
 // FORMS (Pair::FORMS_INPUT): the kernel may form silu(gate) ⊙ up (p.gated) or add + RMSNorm
 // (p.norm_w) as it loads.
-template <class T, bool SHARE, bool FORMS>
+template <class T, bool SHARE, bool FORMS, bool MMA>
 __device__ __forceinline__ void stage_x_rotated(const GemvParams& p, uint32_t* xs, float* z, int rank,
-                                                uint64_t hneg, int rrank) {
+                                                const HkRows& hk, int rrank) {
   const int ccols = p.cgc * 128, xsw = p.cgc * 64 + 4, cpt = (1 << p.log2p2) / 8;
   const int jj = threadIdx.x >> (p.log2p2 - 3), t = threadIdx.x - jj * cpt;  // no runtime division
   const bool active = threadIdx.x < ccols / 8;
@@ -448,13 +451,16 @@ __device__ __forceinline__ void stage_x_rotated(const GemvParams& p, uint32_t* x
       if (active) signed_chunk<T>(in, sb, v);
     } else {
       if (row > 0) __syncthreads();  // the last row's transform has read z
-      if (FORMS && p.gated) stage_signed_row<T, 4, FORMS>(p, row, reinterpret_cast<T*>(z));
-      else stage_signed_row<T, 8, false>(p, row, reinterpret_cast<T*>(z));
+      const bool mma = mix_on_tensor_cores<MMA>(p);
+      if (FORMS && p.gated) stage_signed_row<T, 4, FORMS>(p, row, reinterpret_cast<T*>(z), mma);
+      else stage_signed_row<T, 8, false>(p, row, reinterpret_cast<T*>(z), mma);
       __syncthreads();
-      if (active) {  // H_K's −1 flips the chunk's sign bits (no select an element)
+      if (mma) {
+        mix_segments_mma<T>(z, hk.a, hk.b, p.rot_k, ccols >> p.log2p2, p.log2p2, v, active, jj, t);
+      } else if (active) {  // H_K's −1 flips the chunk's sign bits (no select an element)
         const uint4* src = reinterpret_cast<const uint4*>(raw) + t;
         const int step = (1 << p.log2p2) >> 3;
-        uint64_t neg = hneg;
+        uint64_t neg = hk.a;
         for (int a = 0; a < p.rot_k; ++a, src += step, neg >>= 1) {
           const uint32_t flip = static_cast<uint32_t>(neg & 1u) * 0x80008000u;
           uint4 q = *src;
@@ -603,15 +609,15 @@ __device__ __forceinline__ void gemv_body(const GemvParams& p) {
     if (s < nrows) load_item(code[s], s);
   fill_table<L>(lut, p.lut, nt);
   // 2. x may be written by the previous kernel: wait for it (no-op without PDL)
-  const uint64_t hneg = rotation_factor_row(p, rank);
+  const HkRows hk = rotation_factor_rows<PR::MIX_MMA>(p, rank);
   pdl_wait();
   if (p.signs) {
     if constexpr (PR::SHARE_ROTATION) {
       const int rrank = p.rs > 1 ? cluster_rank() : 0;
-      stage_x_rotated<T, true, PR::FORMS_INPUT>(p, xs, rot, rank, hneg, rrank);
+      stage_x_rotated<T, true, PR::FORMS_INPUT, PR::MIX_MMA>(p, xs, rot, rank, hk, rrank);
       if (p.rs > 1) share_rotated_rows(p, xs, rrank);
     } else {
-      stage_x_rotated<T, false, PR::FORMS_INPUT>(p, xs, rot, rank, hneg, 0);
+      stage_x_rotated<T, false, PR::FORMS_INPUT, PR::MIX_MMA>(p, xs, rot, rank, hk, 0);
     }
   } else {
     stage_x<T>(p, xs, rank);
