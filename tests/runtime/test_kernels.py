@@ -278,13 +278,15 @@ def test_hadamard_kernel(ext, n, dtype, pdl):
         assert rel_err(y.reshape(rows, n).cpu(), ref) <= TOL
 
 
-# 1536 = 12·128 and 14336 = 28·512 mix on the tensor cores (hadamard_gated_mma_kernel); 6144 = 12·512
-# does not fit there (64 tiles of 8 columns for 12 warps) and keeps the rows kernel's scalar mix
-@pytest.mark.parametrize("n", [64, 512, 1536, 4096, 6144, 14336])
+# gated K > 1 sizes mix on the tensor cores (hadamard_gated_mma_kernel): 768 = 12·64 (2^m = 64, padding
+# threads), 1536 = 12·128 (one k-step), 7168 = 28·256 (14 segments a block: A's rows g + 8), 10240 = 20·512
+# (blocks of 7, 7 and 6 segments), 14336 = 28·512 (down); 6144 = 12·512 does not fit there (64 tiles of 8
+# columns for 12 warps) and keeps the rows kernel's scalar mix
+@pytest.mark.parametrize("n", [64, 512, 768, 1536, 4096, 6144, 7168, 10240, 14336])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_hadamard_kernel_forms_its_input(ext, n, dtype):
     """hadamard_formed (the rows kernel forming silu(gate) ⊙ up, or x + residual → RMSNorm, as it
-    loads) against the input formed by the references in the dtype and rotated in float64; the sum
+    loads; for gated K > 1 sizes the gated mma kernel) against the input formed by the references in the dtype and rotated in float64; the sum
     written out; a norm of a K > 1 size (its segments' blocks would each need the whole row) and a
     size past the rows kernel are declined (None)."""
     gen = torch.Generator().manual_seed(n + 1)

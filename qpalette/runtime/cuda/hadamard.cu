@@ -18,7 +18,7 @@
 // row, sign-flipped, goes to shared memory in fp32; the 2^m-point butterflies run on each of the K segments; then
 // each block writes its slice of the K outputs of every column b.
 //
-// Both read x only after `griddepcontrol.wait` and let the next kernel start its prologue at once
+// All three read x only after `griddepcontrol.wait` and let the next kernel start its prologue at once
 // (programmatic dependent launch on Hopper): the GEMV that consumes y fetches its table and first
 // codes while the rotation runs.
 #include <cuda_bf16.h>
@@ -244,7 +244,7 @@ __global__ void __launch_bounds__(ROWS_THREADS) hadamard_gated_mma_kernel(const 
   __syncthreads();
   mix_segments_mma<T>(zg, hka, hkb, k, segs, log2p2, v, active, jj, t);
   __syncthreads();  // the transforms' z holds other threads' sums
-  fwht_row<T>(v, log2p2, scale, zg + (jj << log2p2), y + row * n + static_cast<long long>(first + jj << log2p2), t,
+  fwht_row<T>(v, log2p2, scale, zg + (jj << log2p2), y + row * n + (static_cast<long long>(first + jj) << log2p2), t,
               active);
 }
 // The gated tensor-core mix's launch: blocks a row, H_K rows a block (≤ 16, 2^m / 8 threads each, ≤ 512

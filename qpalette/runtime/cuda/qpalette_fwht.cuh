@@ -191,8 +191,9 @@ __device__ __forceinline__ void add_chunk(float (&v)[8], const uint4& raw) {
 
 // A row of K segments of 2^m (chunks of 8 elements), signs applied (exact), into shared memory `raw` in
 // the activation dtype for a K-term mix: GATED reads [gate | up] and stages silu(gate) ⊙ up. U chunks a
-// thread in flight (GATED: two loads each). log2q ≥ 0: chunk c at mix_swizzled(c, log2q) (2^log2q chunks
-// a segment), the layout mix_segments_mma reads.
+// thread in flight (GATED: two loads each, so U = 4 holds as many registers as the plain U = 8). log2q ≥ 0:
+// chunk c at mix_swizzled(c, log2q) (2^log2q chunks a segment), the layout mix_segments_mma reads; −1:
+// unswizzled, for the scalar mix.
 __device__ __forceinline__ int mix_swizzled(int c, int log2q) { return c ^ ((c >> log2q) & 7); }
 template <class T, int U, bool GATED>
 __device__ __forceinline__ void stage_signed_row(const T* row, const uint8_t* signs, int chunks, T* raw, int log2q) {
@@ -218,7 +219,7 @@ __device__ __forceinline__ void stage_signed_row(const T* row, const uint8_t* si
   }
 }
 
-// ---- H_K's mix on the tensor cores (the GEMV's staging and the gated rows kernel) -----------------
+// ---- H_K's mix on the tensor cores (the GEMV's staging and hadamard_gated_mma_kernel) -------------
 // Segments s < segs of (H_K ⊗ I) r for a block's rows of H_K, r the staged row (stage_signed_row,
 // swizzled): one mma.m16n8k16 per 8 columns and 16 terms, A = the rows of H_K (±1, 0 past K or segs:
 // exact in either 16-bit type), B = r through ldmatrix (the swizzle puts the 8 segments of an 8×8

@@ -362,12 +362,13 @@ __device__ __forceinline__ void stage_x(const GemvParams& p, uint32_t* xs, int r
 
 // Staging with the rotation fused: this CTA's columns of x ← H(s ⊙ x)/√n, H = H_K ⊗ H_{2^m}, in
 // fp32, rounded to the activation dtype into the x buffer (qpalette_fwht.cuh), row by row. The
-// CTA's columns are whole segments of 2^m (checked at launch), each held by 2^m/8 threads: a
-// thread mixes its chunk over the K segments of the row (H_K first: the factors commute), then
+// CTA's columns are whole segments of 2^m (checked at launch), each held by 2^m/8 threads: each
+// thread's chunk is mixed over the K segments of the row (H_K first: the factors commute), then
 // the segments' 2^m-point transforms run side by side. K = 1: each thread loads its own chunk.
 // K > 1: the whole row, signs applied (exact), is first staged in z (2n bytes ≤ z's 8·columns
 // bytes: clusters of at most 4) with all loads in flight, so that the K-term sums read shared
-// memory; `hk` (bit a: H_K[segment, a] = −1) was read before the wait for the previous kernel.
+// memory (the tensor-core mix then writes its sums there too: segments · (2^m + 8) floats ≤ z's
+// 2·columns + 32); `hk` (bit a: H_K[segment, a] = −1) was read before the wait for the previous kernel.
 // The mix runs on the tensor cores where it fits (mix_segments_mma) and MMA (decoders of at most 12 words
 // a lane: with wider ones, nuq-8, the sums held across its barrier spilled registers in the main loop),
 // else ~25 instructions a term a thread. Needs unpadded K (cols = groups · 128).
