@@ -160,14 +160,9 @@ __device__ __forceinline__ void merge_warps(const DecodeAttentionArgs& a, unsign
 // P never leaves the registers. The dot products may take the dims in any order that Q and K share:
 // lane t holds dims [t·D/4, (t+1)·D/4) of a key (its own 16-byte loads) and of query g, and k-step s
 // uses its words 2s and 2s + 1. V's B fragments come transposed from the staged rows (ldmatrix),
-// which are stored with their 16-byte pieces swizzled by the row (piece c of row r at c ^ (r mod 8))
-// so that the 8 rows of a matrix fall in different banks. P is rounded to T for the mma, as flash
+// which are stored with their 16-byte pieces swizzled by the row (swizzled_piece) so that the 8 rows
+// of a matrix fall in different banks. P is rounded to T for the mma, as flash
 // attention does (fp32 softmax and accumulators).
-template <int D>
-__device__ __forceinline__ int staged_piece(int row, int piece) {
-  return row * (D / 8) + (piece ^ (row & 7));
-}
-
 // Q·Kᵀ of a warp's 32-key block: s[j][e] = scale · q_g · key(8j + 2t + e) + bias[j][e] (lane 4g + t;
 // s[j][2..3] are the unused rows g + 8). qa: query g's quarter of the dims; kq[j]: key 8j + g's.
 template <class T, int STEPS, int QUARTER>
@@ -236,7 +231,7 @@ __device__ __forceinline__ void block_values(float (&o)[D / 8][4], const uint32_
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
       uint32_t bv[4];
-      ldmatrix_x4_trans(bv, staged + staged_piece<D>(16 * u + 8 * (i & 1) + lane % 8, n + (i >> 1)) * 8);
+      ldmatrix_x4_trans(bv, staged + swizzled_piece(16 * u + 8 * (i & 1) + lane % 8, n + (i >> 1), D / 8) * 8);
       mma_16816<T>(o[n], pa[u], bv[0], bv[1]);
       mma_16816<T>(o[n + 1], pa[u], bv[2], bv[3]);
     }
@@ -279,7 +274,7 @@ __global__ void __launch_bounds__(WARPS * 32) decode_attention_kernel(DecodeAtte
     for (int c = lane; c < 32 * ROW_CHUNKS; c += 32) {
       const int r = c / ROW_CHUNKS, piece = c % ROW_CHUNKS;
       const long long row = base + r;
-      T* dst = staged + staged_piece<D>(r, piece) * 8;
+      T* dst = staged + swizzled_piece(r, piece, D / 8) * 8;
       if (row >= end) *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
       else if (row != slot) cp_async16(dst, values + row * D + piece * 8);
       else if (!cached_only) cp_async16(dst, vnew + piece * 8);
@@ -326,7 +321,7 @@ __global__ void __launch_bounds__(WARPS * 32) decode_attention_kernel(DecodeAtte
     pdl_wait();  // q, k_new and v_new are the previous kernel's output
     if (slot >= base && slot < min(base + 32, end))  // the new token's value row, in the first block
       for (int c = lane; c < ROW_CHUNKS; c += 32)
-        cp_async16(staged + staged_piece<D>(static_cast<int>(slot - base), c) * 8, vnew + c * 8);
+        cp_async16(staged + swizzled_piece(static_cast<int>(slot - base), c, D / 8) * 8, vnew + c * 8);
     const T* cs = static_cast<const T*>(a.cos) + b * a.cos_stride;
     const T* sn = static_cast<const T*>(a.sin) + b * a.cos_stride;
     for (int i = threadIdx.x; i < G * D; i += blockDim.x)

@@ -192,9 +192,8 @@ __device__ __forceinline__ void add_chunk(float (&v)[8], const uint4& raw) {
 // A row of K segments of 2^m (chunks of 8 elements), signs applied (exact), into shared memory `raw` in
 // the activation dtype for a K-term mix: GATED reads [gate | up] and stages silu(gate) ⊙ up. U chunks a
 // thread in flight (GATED: two loads each, so U = 4 holds as many registers as the plain U = 8). log2q ≥ 0:
-// chunk c at mix_swizzled(c, log2q) (2^log2q chunks a segment), the layout mix_segments_mma reads; −1:
-// unswizzled, for the scalar mix.
-__device__ __forceinline__ int mix_swizzled(int c, int log2q) { return c ^ ((c >> log2q) & 7); }
+// chunk c of segment c >> log2q at swizzled_piece (2^log2q chunks a segment), the layout mix_segments_mma
+// reads; −1: unswizzled, for the scalar mix.
 template <class T, int U, bool GATED>
 __device__ __forceinline__ void stage_signed_row(const T* row, const uint8_t* signs, int chunks, T* raw, int log2q) {
   const uint4* xr = reinterpret_cast<const uint4*>(row);
@@ -213,7 +212,8 @@ __device__ __forceinline__ void stage_signed_row(const T* row, const uint8_t* si
       const int c = base + u * blockDim.x;
       if (c < chunks) {
         if constexpr (GATED) v[u] = silu_mul<T>(v[u], up[u]);
-        reinterpret_cast<uint4*>(raw)[log2q >= 0 ? mix_swizzled(c, log2q) : c] = sign_flipped(v[u], sb[u]);
+        const int at = log2q >= 0 ? swizzled_piece(c >> log2q, c & ((1 << log2q) - 1), 1 << log2q) : c;
+        reinterpret_cast<uint4*>(raw)[at] = sign_flipped(v[u], sb[u]);
       }
     }
   }
@@ -271,7 +271,7 @@ __device__ __forceinline__ void mix_segments_mma(float* z, uint64_t hka, uint64_
   // lane l addresses row l (term l) of the four 8×8 matrices: terms 0–15, then 16–31; rows past K
   // read term 0 (finite) against A's zeros
   const int term = lane < k ? lane : 0;
-  const uint4* row = reinterpret_cast<const uint4*>(z) + (term << (log2p2 - 3));
+  const uint4* staged = reinterpret_cast<const uint4*>(z);
   float c[MIX_TILES][4];
 #pragma unroll
   for (int i = 0; i < MIX_TILES; ++i) {
@@ -279,7 +279,7 @@ __device__ __forceinline__ void mix_segments_mma(float* z, uint64_t hka, uint64_
     const int nt = warp + i * warps;
     if (nt < tiles) {
       uint32_t b[4];
-      ldmatrix_x4_trans(b, row + (nt ^ (term & 7)));
+      ldmatrix_x4_trans(b, staged + swizzled_piece(term, nt, tiles));
       mma_16816<T>(c[i], a0, b[0], b[1]);
       if (k > 16) mma_16816<T>(c[i], a1, b[2], b[3]);
     }

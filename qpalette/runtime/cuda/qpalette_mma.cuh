@@ -37,6 +37,12 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(at));
 }
 
+// Index of 16-byte piece `piece` of row `row` in a buffer of `pieces` pieces a row (≥ 8) stored with
+// each row's pieces XOR-swizzled by the row (piece c of row r at c ^ (r mod 8)): the 8 rows of an
+// ldmatrix 8×8 matrix then fall in different banks. The decode attention's staged values and the
+// H_K mix's staged row use it.
+__device__ __forceinline__ int swizzled_piece(int row, int piece, int pieces) { return row * pieces + (piece ^ (row & 7)); }
+
 // Two floats as one register of 16-bit elements (lo in the lower half)
 template <class T>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi);
