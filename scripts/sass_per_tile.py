@@ -8,10 +8,11 @@ tiles (one HMMA a tile). The GEMVs' time follows this count (results/kernels_h10
 
 Compiles each source with nvcc to a cubin (or reads --cubin), disassembles it with cuobjdump (which
 needs nvdisasm on PATH) and prints one line per gemv_kernel instantiation: its decoder, the HMMAs
-of one round and the instructions a tile. A round is the first run of HMMAs at most --gap
-instructions apart (the kernel holds two copies of its main loop). Half-TCQ compiles both halves'
-decoders for every group (a branch a group): its round shows twice the tiles it runs, and its count
-a tile is the two decoders' mean.
+of one round and the instructions a tile. A round is the longest run of HMMAs at most --gap
+instructions apart (the first of equal ones: the kernel holds two copies of its main loop); the
+fused rotation's H_K mix, a few HMMAs in the staging before the main loop, is a shorter run. Half-TCQ
+compiles both halves' decoders for every group (a branch a group): its round shows twice the tiles
+it runs, and its count a tile is the two decoders' mean.
 """
 
 from __future__ import annotations
@@ -43,16 +44,17 @@ def functions(sass: str) -> dict[str, list[str]]:
 
 
 def round_of_tiles(instructions: list[str], gap: int) -> tuple[int, float] | None:
-    """(HMMAs in the first round, instructions a tile) or None when the function has under two HMMAs."""
+    """(HMMAs in the longest round, instructions a tile), or None when no two HMMAs lie within `gap`."""
     at = [i for i, ins in enumerate(instructions) if re.match(r"(@!?U?P\w+\s+)?HMMA", ins)]
-    if len(at) < 2:
+    runs, start = [], 0
+    for end in range(1, len(at) + 1):
+        if end == len(at) or at[end] - at[end - 1] > gap:
+            runs.append(at[start:end])
+            start = end
+    best = max(runs, key=len, default=[])  # max keeps the first of equal lengths
+    if len(best) < 2:
         return None
-    end = 1
-    while end < len(at) and at[end] - at[end - 1] <= gap:
-        end += 1
-    if end < 2:
-        return None
-    return end, (at[end - 1] - at[0]) / (end - 1)
+    return len(best), (best[-1] - best[0]) / (len(best) - 1)
 
 
 def decoder_name(mangled: str) -> str:
@@ -124,24 +126,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--gap",
         type=int,
-        default=1000,
-        help="most instructions between two HMMAs of one round (an item boundary takes ~100-200; "
-        "the loop's two copies lie thousands apart)",
+        default=500,
+        help="most instructions between two HMMAs of one round (an item boundary takes ~150-220; the "
+        "fused rotation's mix lies ~1000 before the loop, the loop's two copies thousands apart)",
     )
     args = ap.parse_args(argv)
+    if args.cubin and not Path(args.cubin).is_file():
+        print(f"no such cubin: {args.cubin}", file=sys.stderr)
+        return 2
+    tools = ("cuobjdump",) if args.cubin else ("nvcc", "cuobjdump")
+    missing = [t for t in tools if shutil.which(t) is None]
+    if missing:
+        print(
+            f"needs {' and '.join(missing)} on PATH (the CUDA toolkit; cuobjdump also needs nvdisasm)",
+            file=sys.stderr,
+        )
+        return 2
     if args.cubin:
-        if not Path(args.cubin).is_file():
-            print(f"no such cubin: {args.cubin}", file=sys.stderr)
-            return 2
         cubins = [Path(args.cubin)]
     else:
-        missing = [t for t in ("nvcc", "cuobjdump") if shutil.which(t) is None]
-        if missing:
-            print(
-                f"needs {' and '.join(missing)} on PATH (the CUDA toolkit; cuobjdump also needs nvdisasm)",
-                file=sys.stderr,
-            )
-            return 2
         sources = [s if Path(s).is_file() else CUDA_DIR / s for s in args.sources.split(",") if s]
         absent = [str(s) for s in sources if not Path(s).is_file()]
         if absent:

@@ -1,4 +1,4 @@
-"""scripts/sass_per_tile.py on hand-made cuobjdump text: functions and their instructions, the first
+"""scripts/sass_per_tile.py on hand-made cuobjdump text: functions and their instructions, the longest
 round of HMMAs and its instructions a tile, decoder names, clear errors for bad input."""
 
 from __future__ import annotations
@@ -52,6 +52,16 @@ def test_first_round_and_instructions_a_tile():
     assert lines[1].startswith("TcqLanes<9,11> + TcqLanes<10,11> bf16") and "no main loop" in lines[1]
 
 
+def test_the_main_loop_not_the_staging_mix():
+    """The fused rotation's H_K mix runs a few HMMAs in the staging, ~1000 instructions before the
+    main loop: the round is the longer run after it (the first run gave the mix's count)."""
+    script = load_script("sass_per_tile")
+    body = _loop(10, 8) + ["NOP"] * 1000 + _loop(48, 21) + ["NOP"] * 2000 + _loop(48, 21)
+    assert script.round_of_tiles(body, gap=500) == (48, 22.0)
+    hmma, per_tile = script.round_of_tiles(body, gap=1500)  # too wide a gap: mix and loop in one run
+    assert hmma == 58 and per_tile > 30
+
+
 def test_predicated_hmma_counts():
     script = load_script("sass_per_tile")
     ins = ["@P1 HMMA.16816.F32 R4, R8, R12, R4", "IADD3 R1, R1, 1, RZ", "@!P2 HMMA.16816.F32 R4, R8, R12, R4"]
@@ -65,6 +75,10 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(script.shutil, "which", lambda tool: None)
     assert script.main([]) == 2
     assert "needs nvcc and cuobjdump" in capsys.readouterr().err
+    cubin = tmp_path / "k.cubin"
+    cubin.write_bytes(b"")
+    assert script.main(["--cubin", str(cubin)]) == 2  # reading a cubin needs cuobjdump only
+    assert "needs cuobjdump on PATH" in capsys.readouterr().err
     monkeypatch.setattr(script.shutil, "which", lambda tool: "/usr/bin/" + tool)
     assert script.main(["--sources", str(tmp_path / "missing.cu")]) == 2
     assert "no such source" in capsys.readouterr().err
