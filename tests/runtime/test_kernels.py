@@ -286,9 +286,9 @@ def test_hadamard_kernel(ext, n, dtype, pdl):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_hadamard_kernel_forms_its_input(ext, n, dtype):
     """hadamard_formed (the rows kernel forming silu(gate) ⊙ up, or x + residual → RMSNorm, as it
-    loads; for gated K > 1 sizes the gated mma kernel) against the input formed by the references in the dtype and rotated in float64; the sum
-    written out; a norm of a K > 1 size (its segments' blocks would each need the whole row) and a
-    size past the rows kernel are declined (None)."""
+    loads; for gated K > 1 sizes the gated mma kernel) against the input formed by the references in
+    the dtype and rotated in float64; the sum written out; a norm of a K > 1 size (its segments'
+    blocks would each need the whole row) and a size past the rows kernel are declined (None)."""
     gen = torch.Generator().manual_seed(n + 1)
     signs = pack_signs(random_signs(n, seed=n)).cuda()
     k, p2 = decompose(n)
